@@ -1,0 +1,86 @@
+"""Building blocks shared by the model families: norm, rotary embedding, MLP."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from disagg.workers.engine.model_config import ModelConfig, RopeScaling
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 and scale in the model dtype, as the reference models do.
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half RoPE with cos/sin computed from each token's position."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.theta = config.rope_theta
+        self.scaling = config.rope_scaling
+        # NOTE: a non-persistent buffer; after building on the meta device, call
+        # reset_inv_freq() (CausalLM.create does) so it holds real fp32 values.
+        self.register_buffer("inv_freq", torch.empty(config.head_dim // 2), persistent=False)
+
+    def reset_inv_freq(self) -> None:
+        half = self.head_dim // 2
+        exponents = torch.arange(0, half, dtype=torch.float32, device=self.inv_freq.device) * 2 / self.head_dim
+        inv_freq = 1.0 / (self.theta ** exponents)
+        if self.scaling is not None:
+            inv_freq = _scale_inv_freq(inv_freq, self.scaling)
+        self.inv_freq = inv_freq  # [hd/2] fp32
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T] -> (cos, sin), each [T, 1, hd/2] fp32 (broadcast over heads)."""
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        return freqs.cos()[:, None, :], freqs.sin()[:, None, :]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, hd], rotating the pair (i, i + hd/2) by each position's angle."""
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def _scale_inv_freq(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    assert scaling.rope_type == "llama3", f"unknown rope type {scaling.rope_type}"
+    # Llama 3.1: wavelengths longer than the original context / low_freq_factor are
+    # stretched by `factor`, shorter than context / high_freq_factor kept, and the
+    # band between blends the two linearly in (context / wavelength).
+    context = scaling.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    stretched = torch.where(wavelen > context / scaling.low_freq_factor, inv_freq / scaling.factor, inv_freq)
+    blend = (context / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (1 - blend) * stretched / scaling.factor + blend * stretched
+    in_band = (wavelen >= context / scaling.high_freq_factor) & (wavelen <= context / scaling.low_freq_factor)
+    return torch.where(in_band, blended, stretched)
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)), with gate and up fused into one matmul."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        # weight rows: [gate (intermediate) | up (intermediate)]
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

@@ -1,0 +1,165 @@
+"""The Llama family (Llama 2/3, SmolLM2, Mistral-style): the base the other families vary."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from disagg.workers.engine.attention import AttentionMetadata, build_metadata, paged_attention, write_kv
+from disagg.workers.engine.forward_batch import ForwardBatch
+from disagg.workers.engine.model_config import ModelConfig
+from disagg.workers.engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
+
+
+class WeightLoadError(ValueError):
+    """A checkpoint whose tensors do not fit the model; the message names the tensor."""
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.scale = config.head_dim ** -0.5
+        # weight rows: [q (heads * hd) | k (kvh * hd) | v (kvh * hd)]
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+
+    def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hook before RoPE; the Llama family leaves q and k as they are."""
+        return q, k
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                layer_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """x: [T, hidden] -> [T, hidden]; writes this layer's new K/V into layer_cache."""
+        tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        q, k = self.normalize_qk(q, k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        write_kv(layer_cache, k, v, meta)
+        out = paged_attention(q, k, v, layer_cache, meta, self.scale)  # [T, heads, hd]
+        return self.o_proj(out.reshape(tokens, self.q_size))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, attention_cls: type[LlamaAttention]) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = attention_cls(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GatedMLP(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                layer_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, attention_cls: type[LlamaAttention]) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary_emb = RotaryEmbedding(config)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, attention_cls) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, on_layer_written: Callable[[int], None] | None) -> torch.Tensor:
+        """input_ids, positions: [T]; kv_cache: [layers, blocks, 2, bs, kvh, hd] -> final hidden [T, hidden]."""
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, kv_cache[i], meta)
+            if on_layer_written is not None:
+                on_layer_written(i)
+        return self.norm(x)
+
+
+# Checkpoint projections that live as row ranges of one fused weight here:
+# checkpoint name -> (our name, which range); see _shard_range.
+_FUSED = {
+    "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
+}
+
+
+class LlamaForCausalLM(nn.Module):
+    attention_cls: type[LlamaAttention] = LlamaAttention
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, self.attention_cls)
+        # With tied embeddings the output projection is the embedding matrix itself.
+        self.lm_head = None if config.tie_word_embeddings else \
+            nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @classmethod
+    def create(cls, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+        """An uninitialised model in `dtype` on `device`, ready for load_weights
+        (built on the meta device, so no time goes into random init)."""
+        with torch.device("meta"):
+            model = cls(config)
+        model = model.to(dtype=dtype).to_empty(device=device)
+        model.model.rotary_emb.reset_inv_freq()
+        return model.eval()
+
+    def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+        """Runs one step; returns the final hidden states [T, hidden] of every new token."""
+        meta = build_metadata(batch, block_size=kv_cache.shape[3])
+        return self.model(batch.input_ids, batch.positions, kv_cache, meta, batch.on_layer_written)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden] (rows already picked, e.g. by logits_indices) -> fp32 logits [N, vocab]."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copies Hugging Face named tensors into the model; raises WeightLoadError on
+        unknown names, shape mismatches, or parameters left without a value."""
+        params = dict(self.named_parameters())
+        filled = dict.fromkeys(params, 0)  # elements written per parameter
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.lm_head is None):
+                continue  # recomputed here / the tied embedding already holds it
+            target_name, rows = self._target(name)
+            if target_name not in params:
+                raise WeightLoadError(f"checkpoint tensor {name!r} has no place in {self.config.architecture}")
+            target = params[target_name].data
+            if rows is not None:
+                target = target[rows[0]:rows[1]]
+            if target.shape != tensor.shape:
+                raise WeightLoadError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                      f"expected {tuple(target.shape)}")
+            target.copy_(tensor)
+            filled[target_name] += tensor.numel()
+        missing = [n for n, p in params.items() if filled[n] != p.numel()]
+        if missing:
+            raise WeightLoadError(f"checkpoint lacks weights for {missing[:5]}"
+                                  + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+
+    def _target(self, name: str) -> tuple[str, tuple[int, int] | None]:
+        """Checkpoint name -> (our parameter name, row range or None for the whole tensor)."""
+        parts = name.split(".")
+        for i, part in enumerate(parts):
+            if part in _FUSED:
+                fused, shard = _FUSED[part]
+                parts[i] = fused
+                return ".".join(parts), self._shard_range(shard)
+        return name, None
+
+    def _shard_range(self, shard: str) -> tuple[int, int]:
+        c = self.config
+        return {
+            "q": (0, c.q_size),
+            "k": (c.q_size, c.q_size + c.kv_size),
+            "v": (c.q_size + c.kv_size, c.q_size + 2 * c.kv_size),
+            "gate": (0, c.intermediate_size),
+            "up": (c.intermediate_size, 2 * c.intermediate_size),
+        }[shard]
