@@ -1,0 +1,86 @@
+"""The engine's configuration: one frozen dataclass, validated on creation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+# Without a block count or a budget, the KV pool takes this much memory on a CPU.
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+# ...and this fraction of the free memory left on a GPU after the weights load.
+DEFAULT_GPU_KV_CACHE_FRACTION = 0.85
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs to run one model.
+
+    The KV pool is sized by `num_kv_blocks` when given, else by
+    `kv_cache_memory_bytes`, else by a device default (see kv_cache.py).
+    """
+
+    model: str
+    device: str = "auto"
+    dtype: str = "auto"  # "auto": float32 on a CPU, bfloat16 on CUDA
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048  # token budget of one step
+    max_model_len: int | None = None  # None: the model's own context length
+    enable_prefix_caching: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        problems = list(self._problems())
+        if problems:
+            raise ValueError("invalid engine config: " + "; ".join(problems))
+
+    def _problems(self) -> list[str]:
+        out = []
+        if not self.model:
+            out.append("model must be given")
+        if self.device not in DEVICES:
+            out.append(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.dtype not in DTYPES:
+            out.append(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            out.append(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            out.append(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            out.append(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
+        if self.max_num_seqs < 1:
+            out.append(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            out.append(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            out.append(f"max_model_len must be at least 2, got {self.max_model_len}")
+        return out
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        chosen = DTYPES[self.dtype]
+        if chosen is not None:
+            return chosen
+        return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+
+    def resolve_max_model_len(self, model_max_len: int) -> int:
+        """The context length the engine serves: ours, capped by the model's."""
+        if self.max_model_len is None:
+            return model_max_len
+        return min(self.max_model_len, model_max_len)

@@ -1,0 +1,159 @@
+"""The state of one request inside the engine, from arrival to finish."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from disagg.workers.engine.outputs import TokenLogprob
+
+if TYPE_CHECKING:
+    from disagg.workers.engine.sampling_params import SamplingParams
+
+# Arrival order across all requests: the scheduler's fairness key.
+_arrival_counter = itertools.count()
+
+
+class Detokenizer(Protocol):
+    """Turns one request's output tokens into text, a piece at a time
+    (tokenizer.py's IncrementalDetokenizer)."""
+
+    def add(self, token_ids: Iterable[int]) -> str:
+        """Return the new text these tokens complete (never a broken UTF-8 tail)."""
+        ...
+
+    def flush(self) -> str:
+        """Return whatever text is still held back, at the end of the request."""
+        ...
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued, or preempted and queued again for recompute
+    RUNNING = "running"  # holds KV blocks and is scheduled every step
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+
+
+class Request:
+    """One sequence: its tokens, its KV blocks and how far the model has read it.
+
+    Token regions of `token_ids`:
+        [0, num_computed_tokens)            K/V already in the cache
+        [num_computed_tokens, num_tokens)   still to run through the model
+        [num_prompt_tokens, num_tokens)     the generated (output) tokens
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        block_size: int,
+        detokenizer: Detokenizer | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        assert prompt_token_ids, "a request needs at least one prompt token"
+        self.request_id = request_id
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.block_size = block_size
+        self.arrival = next(_arrival_counter)
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+
+        # Paged KV: block_table[i] holds tokens [i * block_size, (i + 1) * block_size).
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # hash chain of the full blocks of token_ids
+        self.num_committed_blocks = 0  # leading blocks published to the prefix cache
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens the prefix cache served at the first schedule
+        self.num_preemptions = 0
+
+        # Per-request sampling randomness, so that a seed reproduces whatever the batch.
+        self.generator: torch.Generator | None = None
+        if sampling_params.seed is not None:
+            self.generator = torch.Generator(device).manual_seed(sampling_params.seed)
+
+        # Output text: everything detokenized so far, of which the first
+        # num_sent_chars went out; the rest is held back (could start a stop string).
+        self.detokenizer = detokenizer
+        self.output_text = ""
+        self.num_sent_chars = 0
+        self.num_sent_tokens = 0
+        self.pending_logprobs: list[TokenLogprob] = []
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})"
+        )
+
+    # --- counts -------------------------------------------------------------
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks needed to hold every token of the sequence."""
+        return self.num_blocks_for(self.num_tokens)
+
+    @property
+    def num_full_blocks(self) -> int:
+        return self.num_tokens // self.block_size
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # --- tokens -------------------------------------------------------------
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def last_token_id(self) -> int:
+        return self.token_ids[-1]
+
+    def block_token_ids(self, block_index: int) -> list[int]:
+        start = block_index * self.block_size
+        return self.token_ids[start : start + self.block_size]
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    # --- state --------------------------------------------------------------
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def is_prefill(self) -> bool:
+        """More than the last sampled token is still to run (a prompt, or a recompute)."""
+        return self.num_uncomputed_tokens > 1
+
+    @property
+    def has_unsent_output(self) -> bool:
+        return self.num_sent_tokens < self.num_output_tokens or self.num_sent_chars < len(
+            self.output_text
+        )
