@@ -1,0 +1,184 @@
+"""Continuous batching policy, driven without a model: each step's sampled
+token is a made-up id."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from disagg.workers.engine.block_manager import BlockManager
+from disagg.workers.engine.request import Request, RequestStatus
+from disagg.workers.engine.sampling_params import SamplingParams
+from disagg.workers.engine.scheduler import Scheduler, SchedulerOutput
+
+BLOCK = 4
+
+
+def make_scheduler(num_blocks: int = 32, max_num_seqs: int = 8, budget: int = 64) -> Scheduler:
+    return Scheduler(BlockManager(num_blocks, BLOCK), max_num_seqs, budget)
+
+
+def make_request(rid: str, num_prompt: int, max_tokens: int = 4) -> Request:
+    tokens = [hash((rid, i)) % 1000 for i in range(num_prompt)]
+    return Request(rid, tokens, SamplingParams(max_tokens=max_tokens), block_size=BLOCK)
+
+
+def step(scheduler: Scheduler) -> SchedulerOutput:
+    """One engine step with a fake model: finish requests at max_tokens."""
+    output = scheduler.schedule()
+    sampling = output.sample_mask
+    scheduler.update(output)
+    for request, samples in zip(output.requests, sampling):
+        if samples:
+            request.append_token(7)
+            if request.num_output_tokens >= request.sampling_params.max_tokens:
+                scheduler.finish(request, RequestStatus.FINISHED_LENGTH)
+    bm = scheduler.block_manager
+    bm.check_integrity(scheduler.running)
+    return output
+
+
+def run_to_completion(scheduler: Scheduler, max_steps: int = 500) -> list[SchedulerOutput]:
+    outputs = []
+    while scheduler.has_unfinished_requests:
+        outputs.append(step(scheduler))
+        assert len(outputs) < max_steps, "the scheduler made no progress"
+    return outputs
+
+
+@pytest.fixture
+def scheduler() -> Iterator[Scheduler]:
+    s = make_scheduler()
+    yield s
+    s.block_manager.check_integrity([])
+    assert s.block_manager.num_free_blocks == s.block_manager.num_blocks
+
+
+def test_single_request_prefills_then_decodes(scheduler: Scheduler) -> None:
+    request = make_request("a", 10, max_tokens=3)
+    scheduler.add(request)
+    outputs = run_to_completion(scheduler)
+    assert [o.num_new_tokens for o in outputs] == [[10], [1], [1]]
+    assert request.status is RequestStatus.FINISHED_LENGTH
+    assert request.num_output_tokens == 3
+
+
+def test_token_budget_chunks_a_long_prompt(scheduler: Scheduler) -> None:
+    s = make_scheduler(budget=16)
+    request = make_request("long", 40, max_tokens=2)
+    s.add(request)
+    outputs = run_to_completion(s)
+    assert [o.num_new_tokens for o in outputs] == [[16], [16], [8], [1]]
+    # Only the chunk that reaches the prompt's end samples.
+    assert request.num_output_tokens == 2
+    assert all(o.num_tokens <= 16 for o in outputs)
+
+
+def test_decodes_go_before_prompt_chunks() -> None:
+    s = make_scheduler(budget=8)
+    early = make_request("early", 4, max_tokens=10)
+    s.add(early)
+    step(s)  # early is now decoding
+    s.add(make_request("long", 30, max_tokens=1))
+    for _ in range(4):
+        output = step(s)
+        assert output.requests[0] is early and output.num_new_tokens[0] == 1
+        assert output.num_tokens <= 8
+    run_to_completion(s)
+    assert s.block_manager.num_free_blocks == s.block_manager.num_blocks
+
+
+def test_max_num_seqs_caps_the_running_set() -> None:
+    s = make_scheduler(max_num_seqs=2)
+    for i in range(5):
+        s.add(make_request(f"r{i}", 3, max_tokens=3))
+    output = step(s)
+    assert len(output.requests) == 2 and s.num_running == 2 and s.num_waiting == 3
+    run_to_completion(s)
+
+
+def test_admission_is_first_come_first_served() -> None:
+    s = make_scheduler(num_blocks=6, budget=64)
+    big = make_request("big", 20, max_tokens=1)  # 5 blocks
+    s.add(make_request("first", 8, max_tokens=8))  # 2 blocks
+    s.add(big)
+    s.add(make_request("small", 2, max_tokens=1))
+    output = step(s)
+    # `big` does not fit next to `first`; `small` would, but must not jump the queue.
+    assert [r.request_id for r in output.requests] == ["first"]
+    assert [r.request_id for r in s.waiting] == ["big", "small"]
+    run_to_completion(s)
+    assert s.block_manager.num_free_blocks == s.block_manager.num_blocks
+
+
+def test_preemption_recomputes_the_newest_and_everything_finishes() -> None:
+    s = make_scheduler(num_blocks=6)
+    requests = [make_request(f"r{i}", 7, max_tokens=8) for i in range(3)]  # 2 blocks each, growing to 4
+    for request in requests:
+        s.add(request)
+    outputs = run_to_completion(s)
+    preempted = [r for o in outputs for r in o.preempted]
+    assert preempted, "the pool is too small for all three: someone must be preempted"
+    assert preempted[0] is requests[2], "the newest request goes first"
+    for request in requests:
+        assert request.status is RequestStatus.FINISHED_LENGTH
+        assert request.num_output_tokens == 8
+    assert requests[2].num_preemptions >= 1 and requests[0].num_preemptions == 0
+    assert s.block_manager.num_free_blocks == s.block_manager.num_blocks
+
+
+def test_a_preempted_request_goes_back_to_the_front() -> None:
+    s = make_scheduler(num_blocks=4, max_num_seqs=8)
+    a = make_request("a", 4, max_tokens=6)
+    b = make_request("b", 4, max_tokens=6)
+    s.add(a)
+    s.add(b)
+    step(s)  # both prefilled: 1 block each, full
+    s.add(make_request("c", 4, max_tokens=1))  # waits behind them
+    for _ in range(8):
+        output = step(s)
+        if output.preempted:
+            assert output.preempted == [b]
+            assert s.waiting[0] is b
+            break
+    else:
+        pytest.fail("no preemption happened")
+    run_to_completion(s)
+
+
+def test_abort_frees_blocks_wherever_the_request_is(scheduler: Scheduler) -> None:
+    running = make_request("running", 9, max_tokens=50)
+    waiting = make_request("waiting", 9, max_tokens=50)
+    scheduler.add(running)
+    step(scheduler)
+    scheduler.add(waiting)
+    assert scheduler.block_manager.num_used_blocks > 0
+    assert scheduler.abort("running") is running
+    assert running.status is RequestStatus.FINISHED_ABORTED and not running.block_table
+    assert scheduler.abort("waiting") is waiting
+    assert scheduler.abort("unknown") is None
+    assert not scheduler.has_unfinished_requests
+
+
+def test_abort_in_the_middle_of_a_chunked_prefill() -> None:
+    s = make_scheduler(budget=8)
+    request = make_request("long", 30, max_tokens=4)
+    s.add(request)
+    step(s)
+    assert 0 < request.num_computed_tokens < request.num_prompt_tokens
+    s.abort("long")
+    s.block_manager.check_integrity([])
+    assert s.block_manager.num_free_blocks == s.block_manager.num_blocks
+
+
+def test_prefix_cache_hit_skips_computed_tokens(scheduler: Scheduler) -> None:
+    first = make_request("a", 10, max_tokens=1)
+    scheduler.add(first)
+    run_to_completion(scheduler)
+    twin = Request("b", first.token_ids[:10] + [3], SamplingParams(max_tokens=1), block_size=BLOCK)
+    scheduler.add(twin)
+    output = step(scheduler)
+    assert twin.num_cached_tokens == 8  # two full blocks
+    assert output.num_new_tokens == [3]
+    run_to_completion(scheduler)
