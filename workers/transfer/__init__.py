@@ -1,0 +1,47 @@
+"""The KV transfer engine: one interface (`base.py`), transports chosen by name.
+
+The CLI's `--kv-transport` choices come from `TRANSPORTS`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from disagg.workers.transfer.base import (
+    KVLayout,
+    KVTransport,
+    LinkRefusedError,
+    PeerInfo,
+    TransferError,
+    TransferHandle,
+    TransferSession,
+    TransferTimeout,
+)
+from disagg.workers.transfer.tcp import TcpTransport
+
+TRANSPORTS: dict[str, type[KVTransport]] = {
+    TcpTransport.name: TcpTransport,
+}
+
+
+def create_transport(
+    name: str, pool: torch.Tensor, layout: KVLayout, instance_name: str, grpc_address: str
+) -> KVTransport:
+    """Build the transport registered as `name` over `pool` (not started yet)."""
+    if name not in TRANSPORTS:
+        raise ValueError(f"unknown KV transport {name!r}; choose one of {sorted(TRANSPORTS)}")
+    return TRANSPORTS[name](pool, layout, instance_name, grpc_address)
+
+
+__all__ = [
+    "TRANSPORTS",
+    "KVLayout",
+    "KVTransport",
+    "LinkRefusedError",
+    "PeerInfo",
+    "TransferError",
+    "TransferHandle",
+    "TransferSession",
+    "TransferTimeout",
+    "create_transport",
+]

@@ -1,0 +1,346 @@
+"""The `tcp` transport: KV blocks over several TCP connections per peer.
+
+Each connection has a sender thread (the only writer of its socket) and a
+reader thread (the only reader). Readers never send: answers (ACK, ERROR,
+DATA) are queued to the sender, so two peers streaming at each other cannot
+deadlock on full socket buffers. Frames are described in `wire.py`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from disagg.workers.transfer.base import (
+    BlockRun,
+    KVLayout,
+    PeerInfo,
+    TransferHandle,
+    TransferSession,
+    TransferTimeout,
+    check_runs,
+    merge_runs,
+    split_runs,
+)
+from disagg.workers.transfer.link import LinkedTransport
+from disagg.workers.transfer.pool_io import PoolIO
+from disagg.workers.transfer.wire import (
+    TRAILER,
+    ChecksumKind,
+    Frame,
+    FrameError,
+    Hasher,
+    Kind,
+    control_frame,
+    encode_frame,
+    new_hasher,
+    payload_segments,
+    range_error,
+    recv_exact,
+    recv_frame,
+)
+
+logger = logging.getLogger(__name__)
+
+SOCKET_BUFFER_BYTES = 4 << 20
+_IDLE_POLL_S = 0.5  # how often an idle reader looks at the closed flag
+
+
+class PayloadIO(Protocol):
+    """Moves the KV bytes of a frame: over the socket (PoolIO) or a side channel (NCCL)."""
+
+    def send(
+        self, sock: socket.socket, segments: Sequence[tuple[int, int, int]], hasher: Hasher,
+        ready: torch.cuda.Event | None = None,
+    ) -> None: ...
+
+    def recv(self, sock: socket.socket, segments: Sequence[tuple[int, int, int]], hasher: Hasher) -> None: ...
+
+
+class _Connection:
+    """One socket of a session, with its reader and sender threads."""
+
+    def __init__(
+        self, sock: socket.socket, payload: PayloadIO, layout: KVLayout, peer: PeerInfo,
+        checksum: ChecksumKind, io_timeout: float, on_broken: Callable[[str], None],
+    ) -> None:
+        self.sock = sock
+        self.payload = payload
+        self.layout = layout
+        self.peer = peer
+        self.checksum = checksum
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self._on_broken = on_broken
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        # request id -> (handle, the READ frame for pulls or None for writes)
+        self._pending: dict[int, tuple[TransferHandle, Frame | None]] = {}
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._closed = False
+        sock.settimeout(io_timeout)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
+        self._threads = [
+            threading.Thread(target=self._send_loop, name="kv-send", daemon=True),
+            threading.Thread(target=self._read_loop, name="kv-read", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    # ---- requests from the session ---------------------------------------
+
+    def submit_write(self, layer: int, runs: list[BlockRun], handle: TransferHandle,
+                     ready: torch.cuda.Event | None) -> None:
+        frame = self._new_request(Kind.WRITE, layer, 1, runs, handle)
+        if frame is not None:
+            self._jobs.put(lambda: self._send_kv(frame, ready))
+
+    def submit_read(self, runs: list[BlockRun], handle: TransferHandle) -> None:
+        frame = self._new_request(Kind.READ, 0, self.layout.num_layers, runs, handle)
+        if frame is not None:
+            self._jobs.put(lambda: self.sock.sendall(encode_frame(frame)))
+
+    def _new_request(self, kind: Kind, layer: int, layer_count: int, runs: list[BlockRun],
+                     handle: TransferHandle) -> Frame | None:
+        payload = layer_count * sum(r.count for r in runs) * self.layout.block_bytes if kind == Kind.WRITE else 0
+        with self._lock:
+            if self._closed:
+                handle.part_done(f"connection to {self.peer.name} is closed")
+                return None
+            request_id = next(self._ids)
+            frame = Frame(kind, self.checksum, request_id, layer, layer_count, tuple(runs), payload)
+            self._pending[request_id] = (handle, frame if kind == Kind.READ else None)
+        return frame
+
+    # ---- sender thread -----------------------------------------------------
+
+    def _send_loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                job()
+            except OSError as exc:  # socket.timeout included: the peer stopped reading
+                self.close(f"send to {self.peer.name} failed: {exc}")
+                return
+            except RuntimeError as exc:  # a failed device copy must not kill the thread silently
+                logger.exception("KV send to %s failed", self.peer.name)
+                self.close(f"send to {self.peer.name} failed: {exc}")
+                return
+
+    def _send_kv(self, frame: Frame, ready: torch.cuda.Event | None = None) -> None:
+        hasher = new_hasher(frame.checksum)
+        self.sock.sendall(encode_frame(frame))
+        self.payload.send(self.sock, payload_segments(frame, "src"), hasher, ready)
+        self.sock.sendall(TRAILER.pack(hasher.value()))
+        self.bytes_sent += frame.payload_bytes
+
+    def _send_control(self, kind: Kind, request_id: int, reason: str = "") -> None:
+        frame, payload = control_frame(kind, request_id, reason)
+        self._jobs.put(lambda: self.sock.sendall(encode_frame(frame) + payload))
+
+    # ---- reader thread -----------------------------------------------------
+
+    def _read_loop(self) -> None:
+        try:
+            while not self._closed:
+                readable, _, _ = select.select([self.sock], [], [], _IDLE_POLL_S)
+                if readable:
+                    self._read_one()
+        except FrameError as exc:
+            # NOTE: after a malformed frame the byte stream cannot be resynchronised.
+            logger.warning("bad frame from %s: %s", self.peer.name, exc)
+            self._send_control(Kind.ERROR, 0, f"protocol error: {exc}")
+            self._jobs.put(lambda: self.close(f"protocol error: {exc}"))
+        except (OSError, ConnectionError, ValueError) as exc:
+            self.close(f"connection to {self.peer.name} lost: {exc}")
+
+    def _read_one(self) -> None:
+        layout = self.layout
+        frame = recv_frame(self.sock, layout.num_blocks, layout.num_layers, layout.block_bytes)
+        if frame.kind == Kind.WRITE:
+            error = self._check_incoming(frame)
+            if error is None:
+                error = self._recv_kv(frame)
+            else:
+                self._drain(frame.payload_bytes + TRAILER.size)
+            self._send_control(Kind.ERROR if error else Kind.ACK, frame.request_id, error or "")
+        elif frame.kind == Kind.READ:
+            error = range_error(frame, layout.num_layers, layout.num_blocks, "src")
+            if error is None:
+                data = Frame(Kind.DATA, self.checksum, frame.request_id, frame.layer, frame.layer_count,
+                             frame.runs, frame.layer_count * frame.num_blocks * layout.block_bytes)
+                self._jobs.put(lambda: self._send_kv(data))
+            else:
+                self._send_control(Kind.ERROR, frame.request_id, error)
+        elif frame.kind == Kind.DATA:
+            handle = self._expected_data(frame)
+            handle.part_done(self._recv_kv(frame))
+        elif frame.kind == Kind.ACK:
+            self._finish(frame.request_id, None)
+        else:
+            reason = recv_exact(self.sock, frame.payload_bytes).decode("utf-8", errors="replace")
+            if frame.request_id == 0:
+                raise ConnectionError(f"peer reported: {reason}")
+            self._finish(frame.request_id, f"{self.peer.name}: {reason}")
+
+    def _check_incoming(self, frame: Frame) -> str | None:
+        if frame.checksum != self.checksum:
+            return f"checksum kind {frame.checksum} differs from the negotiated {self.checksum}"
+        return range_error(frame, self.layout.num_layers, self.layout.num_blocks, "dst")
+
+    def _recv_kv(self, frame: Frame) -> str | None:
+        """Receive a frame's payload into its destination blocks; the reason if it fails its checksum."""
+        hasher = new_hasher(frame.checksum)
+        self.payload.recv(self.sock, payload_segments(frame, "dst"), hasher)
+        (sent,) = TRAILER.unpack(recv_exact(self.sock, TRAILER.size))
+        self.bytes_received += frame.payload_bytes
+        if sent != hasher.value():
+            return (f"checksum mismatch on {frame.payload_bytes} bytes of layers {frame.layer}.."
+                    f"{frame.layer + frame.layer_count - 1} (sent {sent:#x}, received {hasher.value():#x})")
+        return None
+
+    def _expected_data(self, frame: Frame) -> TransferHandle:
+        with self._lock:
+            handle, asked = self._pending.pop(frame.request_id, (None, None))
+        if handle is None or asked is None or asked.runs != frame.runs or asked.layer_count != frame.layer_count:
+            raise FrameError(f"DATA for request {frame.request_id} that was not asked for")
+        return handle
+
+    def _finish(self, request_id: int, error: str | None) -> None:
+        with self._lock:
+            handle, _ = self._pending.pop(request_id, (None, None))
+        if handle is None:
+            logger.warning("answer for unknown request %d from %s", request_id, self.peer.name)
+            return
+        handle.part_done(error)
+
+    def _drain(self, size: int) -> None:
+        scratch = memoryview(bytearray(min(size, 1 << 20)))
+        while size > 0:
+            n = self.sock.recv_into(scratch[: min(size, len(scratch))])
+            if n == 0:
+                raise ConnectionError("peer closed the transfer connection")
+            size -= n
+
+    # ---- shutdown ------------------------------------------------------------
+
+    def close(self, reason: str) -> None:
+        """Fail what is pending with `reason` and shut the socket. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            pending = list(self._pending.values())
+            self._pending.clear()
+        for handle, _ in pending:
+            handle.part_done(reason)
+        self._jobs.put(None)
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # already disconnected
+        self.sock.close()
+        self._on_broken(reason)
+
+    @property
+    def is_open(self) -> bool:
+        return not self._closed
+
+
+class TcpSession(TransferSession):
+    """A link to one peer over several connections; each transfer is split across them."""
+
+    def __init__(self, peer: PeerInfo, conns: list[_Connection], layout: KVLayout, is_cuda: bool) -> None:
+        self.peer = peer
+        self.layout = layout
+        self._conns = conns
+        self._is_cuda = is_cuda
+        self._handles: list[TransferHandle] = []
+        self._lock = threading.Lock()
+        self._rotation = itertools.count()
+
+    def push(self, layer: int, src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> TransferHandle:
+        if not 0 <= layer < self.layout.num_layers:
+            raise ValueError(f"layer {layer} out of range ({self.layout.num_layers} layers)")
+        runs = merge_runs(src_blocks, dst_blocks)
+        check_runs(runs, self.layout.num_blocks, self.peer.layout.num_blocks)
+        ready = torch.cuda.current_stream().record_event() if self._is_cuda else None
+        return self._spread(runs, 1, lambda conn, part, handle: conn.submit_write(layer, part, handle, ready))
+
+    def pull(self, src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> TransferHandle:
+        runs = merge_runs(src_blocks, dst_blocks)
+        check_runs(runs, self.peer.layout.num_blocks, self.layout.num_blocks)
+        return self._spread(runs, self.layout.num_layers, lambda conn, part, handle: conn.submit_read(part, handle))
+
+    def _spread(self, runs: list[BlockRun], layers: int,
+                submit: Callable[[_Connection, list[BlockRun], TransferHandle], None]) -> TransferHandle:
+        parts = split_runs(runs, len(self._conns))
+        handle = TransferHandle(len(parts), layers * sum(r.count for r in runs) * self.layout.block_bytes)
+        # Rotate the first connection so that small (one-part) transfers spread too.
+        start = next(self._rotation)
+        for i, part in enumerate(parts):
+            submit(self._conns[(start + i) % len(self._conns)], part, handle)
+        with self._lock:
+            self._handles = [h for h in self._handles if not h.done()] + [handle]
+        return handle
+
+    def flush(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            handles = list(self._handles)
+        for handle in handles:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 and not handle.done():
+                raise TransferTimeout(f"flush to {self.peer.name} not done after {timeout:.1f}s")
+            handle.wait(max(remaining, 0.0))
+
+    def close(self) -> None:
+        for conn in self._conns:
+            conn.close("session closed")
+
+    def _on_broken(self, reason: str) -> None:
+        # One lost connection breaks the link: requests spread over all of them.
+        for conn in self._conns:
+            conn.close(reason)
+
+    @property
+    def is_open(self) -> bool:
+        return all(conn.is_open for conn in self._conns)
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(conn.bytes_sent for conn in self._conns)
+
+    @property
+    def bytes_received(self) -> int:
+        return sum(conn.bytes_received for conn in self._conns)
+
+
+class TcpTransport(LinkedTransport):
+    """KV blocks over TCP: any two machines; the CPU and CI path."""
+
+    name = "tcp"
+
+    def _payload_io(self, peer: PeerInfo, index: int, extras: dict[str, Any], initiator: bool) -> PayloadIO:
+        """How connection `index` moves KV bytes; NCCL overrides this."""
+        return PoolIO(self.pool, self.layout)
+
+    def _open_session(self, peer: PeerInfo, socks: list[socket.socket], checksum: int,
+                      extras: dict[str, Any], initiator: bool) -> TransferSession:
+        conns: list[_Connection] = []
+        session = TcpSession(peer, conns, self.layout, self.pool.device.type == "cuda")
+        for index, sock in enumerate(socks):
+            payload = self._payload_io(peer, index, extras, initiator)
+            conns.append(_Connection(sock, payload, self.layout, peer, ChecksumKind(checksum),
+                                     self.io_timeout, session._on_broken))
+        return session
