@@ -1,0 +1,122 @@
+"""The worker's HTTP app: the OpenAI API, health, readiness and metrics.
+
+The app starts before the model has loaded (so /health answers at once) and
+serves requests once a backend is attached with `AppState.attach`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from disagg.workers.http.backend import Backend
+from disagg.workers.http.errors import APIError, NotReady, install_error_handlers
+from disagg.workers.http.fanout import ClientDisconnected
+from disagg.workers.http.prepare import prepare_chat, prepare_completion
+from disagg.workers.http.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, random_id
+from disagg.workers.http.serving import Call, Server
+from disagg.workers.metrics import CONTENT_TYPE, RequestStatus, WorkerMetrics
+
+# Answer to a request whose client has gone away (nginx's convention); no one reads it.
+_CLIENT_CLOSED = 499
+
+
+class AppState:
+    """What the routes serve from; the backend arrives once the model is loaded."""
+
+    def __init__(self, metrics: WorkerMetrics) -> None:
+        self.metrics = metrics
+        self.server: Server | None = None
+        self.not_ready_reason = "the model is loading"
+
+    def attach(self, backend: Backend) -> None:
+        self.server = Server(backend, self.metrics)
+
+    def require_server(self) -> Server:
+        """The server, if it can take requests now; else a 503."""
+        if self.server is None:
+            raise NotReady(self.not_ready_reason)
+        ready, reason = self.server.backend.ready()
+        if not ready:
+            raise NotReady(reason)
+        return self.server
+
+
+def build_app(state: AppState) -> FastAPI:
+    app = FastAPI(title="disagg worker", docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> dict[str, str]:
+        state.require_server()
+        return {"status": "ready"}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        if state.server is not None:
+            state.metrics.set_engine_stats(state.server.backend.stats())
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        model = state.require_server().backend.model
+        return ModelList(data=[ModelCard(id=model.name, root=model.source, max_model_len=model.max_model_len)])
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        server = state.require_server()
+        backend = server.backend
+        try:
+            prepared = prepare_completion(body, backend.model, backend.tokenizer)
+        except APIError:
+            state.metrics.count_request(RequestStatus.REJECTED)
+            raise
+        call = Call("completion", random_id("cmpl"), backend.model.name, prepared, body.return_token_ids,
+                    include_usage=bool(body.stream_options and body.stream_options.include_usage))  # fmt: skip
+        return await _answer(server, call, body.stream, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        server = state.require_server()
+        backend = server.backend
+        try:
+            prepared = prepare_chat(body, backend.model, backend.tokenizer)
+        except APIError:
+            state.metrics.count_request(RequestStatus.REJECTED)
+            raise
+        call = Call("chat", random_id("chatcmpl"), backend.model.name, prepared, body.return_token_ids,
+                    include_usage=bool(body.stream_options and body.stream_options.include_usage))  # fmt: skip
+        return await _answer(server, call, body.stream, request)
+
+    return app
+
+
+async def _answer(server: Server, call: Call, stream: bool, request: Request) -> Response:
+    wait_disconnect = _disconnect_waiter(request)
+    if stream:
+        return StreamingResponse(server.stream(call, wait_disconnect), media_type="text/event-stream")
+    try:
+        body = await server.respond(call, wait_disconnect)
+    except ClientDisconnected:
+        return Response(status_code=_CLIENT_CLOSED)
+    return JSONResponse(body.model_dump())
+
+
+def _disconnect_waiter(request: Request) -> Callable[[], Awaitable[None]]:
+    """A coroutine function that returns once the client has disconnected.
+
+    The body has been read by then, so the only message left to receive is
+    `http.disconnect` (or the server's own end of the response).
+    """
+
+    async def wait() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    return wait

@@ -1,0 +1,108 @@
+"""What the HTTP layer needs from a worker role to answer requests.
+
+The mixed role answers with its local engine (`LocalEngineBackend`); the
+prefill role will answer by prefilling here and decoding on a linked decode.
+Both sit behind `Backend`, so the OpenAI API code does not know the role.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from disagg.workers.metrics import EngineStats
+
+if TYPE_CHECKING:
+    from disagg.workers.engine.async_engine import AsyncEngine
+    from disagg.workers.engine.outputs import RequestOutput
+    from disagg.workers.engine.sampling_params import SamplingParams
+    from disagg.workers.engine.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What clients may ask of the served model."""
+
+    name: str  # the served model name, checked against each request's `model`
+    source: str  # the --model source it was loaded from
+    max_model_len: int  # prompt plus output tokens of one sequence
+    vocab_size: int  # token ids in a prompt must be below this
+
+
+class Backend(Protocol):
+    """Generates the output of one sequence; owned by the server, shared by
+    every HTTP request.
+
+    Invariant: a request id is live from the first `generate` step until its
+    iterator has yielded a finished output or `abort` was called for it;
+    after either, the backend holds no resources (KV blocks) for it.
+    """
+
+    @property
+    def model(self) -> ModelInfo:
+        """The served model."""
+        ...
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The served model's tokenizer."""
+        ...
+
+    def ready(self) -> tuple[bool, str]:
+        """Whether requests can be served now, and if not, why (for a 503)."""
+        ...
+
+    def stats(self) -> EngineStats:
+        """The load of the engine this backend drives."""
+        ...
+
+    def generate(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Start one sequence and stream its deltas, the last with `finished`.
+
+        Args:
+            request_id: unique among live requests.
+            prompt_token_ids: validated: non-empty, in the vocabulary, and
+                leaving room for at least one output token.
+            params: with `n == 1`; the HTTP layer fans out `n > 1`.
+        Returns:
+            An async iterator of `RequestOutput` deltas.
+        """
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a live request and free its resources; no-op for an unknown id."""
+        ...
+
+
+class LocalEngineBackend:
+    """The mixed role: every request runs on this process's engine."""
+
+    def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, model: ModelInfo) -> None:
+        self._engine = engine
+        self._tokenizer = tokenizer
+        self._model = model
+
+    @property
+    def model(self) -> ModelInfo:
+        return self._model
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._tokenizer
+
+    def ready(self) -> tuple[bool, str]:
+        return True, ""
+
+    def stats(self) -> EngineStats:
+        return self._engine.stats()
+
+    def generate(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        return self._engine.generate(request_id, list(prompt_token_ids), params)
+
+    async def abort(self, request_id: str) -> None:
+        await self._engine.abort(request_id)

@@ -1,0 +1,93 @@
+"""OpenAI-shaped errors: `{"error": {"message", "type", "code"}}`."""
+
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from disagg.workers.http.protocol import ErrorInfo, ErrorResponse
+
+log = logging.getLogger(__name__)
+
+
+class APIError(Exception):
+    """An error to answer with, at the status and OpenAI type it names."""
+
+    def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error", param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.type = type
+        self.param = param
+
+    def response(self) -> JSONResponse:
+        return error_response(self.message, self.status, self.type, self.param)
+
+
+class BadRequest(APIError):
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message, 400, "invalid_request_error", param)
+
+
+class ModelNotFound(APIError):
+    def __init__(self, model: str, served: str) -> None:
+        super().__init__(f"The model `{model}` does not exist; this server serves `{served}`.", 404, "model_not_found", "model")
+
+
+class NotReady(APIError):
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"The server is not ready: {reason}", 503, "service_unavailable")
+
+
+def error_response(message: str, status: int, type: str, param: str | None = None) -> JSONResponse:
+    body = ErrorResponse(error=ErrorInfo(message=message, type=type, code=status, param=param))
+    return JSONResponse(body.model_dump(), status_code=status)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """One readable sentence for pydantic's list of problems, plus the first field."""
+    parts = []
+    param = None
+    for err in exc.errors():
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        if err.get("type") == "json_invalid":
+            parts.append(f"the body is not valid JSON ({err.get('ctx', {}).get('error', 'parse error')})")
+            continue
+        where = ".".join(loc)
+        param = param or (loc[0] if loc else None)
+        parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+    return "; ".join(parts) or "invalid request", param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Answer every error, including FastAPI's own 422s, in OpenAI's shape."""
+
+    async def on_api_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, APIError)
+        return exc.response()
+
+    async def on_validation(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        message, param = _validation_message(exc)
+        return error_response(message, 400, "invalid_request_error", param)
+
+    async def on_http(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        if exc.status_code >= 500:
+            kind = "server_error"
+        return error_response(str(exc.detail or HTTPStatus(exc.status_code).phrase), exc.status_code, kind)
+
+    async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("request failed", exc_info=exc)
+        return error_response(f"internal error: {type(exc).__name__}: {exc}", 500, "server_error")
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(Exception, on_unexpected)

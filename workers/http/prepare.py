@@ -1,0 +1,135 @@
+"""Turns an API request into what the backend runs: prompt token ids and
+`SamplingParams`, validated. Every problem becomes a 4xx `APIError` here,
+before the engine sees the request."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from jinja2 import TemplateError
+
+from disagg.workers.engine.sampling_params import SamplingParams
+from disagg.workers.http.backend import ModelInfo
+from disagg.workers.http.errors import BadRequest, ModelNotFound
+from disagg.workers.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from disagg.workers.engine.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class Prepared:
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+def check_model(requested: str, model: ModelInfo) -> None:
+    if requested not in (model.name, model.source):
+        raise ModelNotFound(requested, model.name)
+
+
+def prepare_completion(req: CompletionRequest, model: ModelInfo, tokenizer: Tokenizer) -> Prepared:
+    check_model(req.model, model)
+    if req.echo:
+        raise BadRequest("echo is not supported", "echo")
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        if len(prompt) != 1:
+            raise BadRequest("a batch of prompts is not supported: send one prompt per request", "prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise BadRequest("prompt must not be empty", "prompt")
+        ids = tokenizer.encode(prompt)
+    else:
+        ids = [int(i) for i in prompt]
+        _check_token_ids(ids, model)
+    if not ids:
+        raise BadRequest("prompt must not be empty", "prompt")
+    return Prepared(ids, _sampling_params(req, req.max_tokens, req.logprobs, ids, model))
+
+
+def prepare_chat(req: ChatCompletionRequest, model: ModelInfo, tokenizer: Tokenizer) -> Prepared:
+    check_model(req.model, model)
+    if not req.messages:
+        raise BadRequest("messages must not be empty", "messages")
+    messages = [{"role": m.role, "content": _message_text(m.content)} for m in req.messages]
+    try:
+        ids = tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt)
+    except TemplateError as exc:
+        raise BadRequest(f"the chat template rejected the messages: {exc}", "messages") from exc
+    if not ids:
+        raise BadRequest("the messages render to an empty prompt", "messages")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    return Prepared(ids, _sampling_params(req, max_tokens, logprobs, ids, model))
+
+
+def _message_text(content: str | list[dict[str, Any]] | None) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for part in content:
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise BadRequest(f"only text content parts are supported, got {part.get('type')!r}", "messages")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _check_token_ids(ids: list[int], model: ModelInfo) -> None:
+    bad = [i for i in ids if not 0 <= i < model.vocab_size]
+    if bad:
+        raise BadRequest(
+            f"prompt token ids must be in [0, {model.vocab_size}); got {bad[:5]}" + (" ..." if len(bad) > 5 else ""),
+            "prompt",
+        )
+
+
+def _sampling_params(
+    req: SamplingFields, max_tokens: int | None, logprobs: int | None, prompt_ids: list[int], model: ModelInfo
+) -> SamplingParams:
+    room = model.max_model_len - len(prompt_ids)
+    if room < 1:
+        raise BadRequest(
+            f"the prompt has {len(prompt_ids)} tokens, which leaves no room to generate in this "
+            f"model's context of {model.max_model_len} tokens; shorten the prompt",
+            "prompt" if isinstance(req, CompletionRequest) else "messages",
+        )
+    if max_tokens is None:
+        max_tokens = room  # OpenAI's chat default: as long as the context allows
+    elif max_tokens > room:
+        raise BadRequest(
+            f"max_tokens is {max_tokens}, but the prompt has {len(prompt_ids)} tokens and the context "
+            f"is {model.max_model_len}: at most {room} tokens can be generated",
+            "max_tokens",
+        )
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    optional: dict[str, Any] = {
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "top_k": req.top_k,
+        "min_p": req.min_p,
+        "presence_penalty": req.presence_penalty,
+        "frequency_penalty": req.frequency_penalty,
+        "repetition_penalty": req.repetition_penalty,
+    }
+    for name, value in optional.items():
+        # JSON's NaN parses as a float; SamplingParams rejects it too, this only words it better.
+        if isinstance(value, float) and math.isnan(value):
+            raise BadRequest(f"{name} must be a number, got NaN", name)
+    try:
+        return SamplingParams(
+            n=req.n,
+            max_tokens=max_tokens,
+            seed=req.seed,
+            stop=tuple(s for s in stop if s),
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+            **{k: v for k, v in optional.items() if v is not None},
+        )
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from exc

@@ -1,0 +1,260 @@
+"""Answers /v1/completions and /v1/chat/completions from a backend's
+sequence outputs: whole responses, or server-sent events when `stream`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel
+
+from disagg.workers.engine.outputs import RequestOutput, TokenLogprob
+from disagg.workers.engine.tokenizer import Tokenizer
+from disagg.workers.http.backend import Backend
+from disagg.workers.http.fanout import ClientDisconnected, stream_choices
+from disagg.workers.http.prepare import Prepared
+from disagg.workers.http.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    ChatTopLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    ErrorInfo,
+    ErrorResponse,
+    UsageInfo,
+)
+from disagg.workers.metrics import RequestStatus, WorkerMetrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Choice:
+    """What one choice has produced so far, and when."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_output_tokens: int = 0
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+
+    def add(self, out: RequestOutput, at: float) -> None:
+        self.text += out.new_text
+        self.token_ids += out.new_token_ids
+        self.logprobs += out.new_logprobs or []
+        self.num_output_tokens = out.num_output_tokens
+        if out.new_token_ids:
+            self.first_token_at = self.first_token_at or at
+            self.last_token_at = at
+        if out.finished:
+            self.finish_reason = out.finish_reason
+            self.stop_reason = out.stop_reason
+
+
+@dataclass
+class Call:
+    """One API request on its way through the backend."""
+
+    kind: str  # "completion" or "chat"
+    request_id: str
+    model_name: str
+    prepared: Prepared
+    return_token_ids: bool
+    include_usage: bool  # streaming only: send a last chunk with usage
+    arrival: float = field(default_factory=time.monotonic)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prepared.prompt_token_ids)
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.prepared.params.logprobs is not None
+
+    def usage(self, choices: list[Choice]) -> UsageInfo:
+        completion = sum(c.num_output_tokens for c in choices)
+        return UsageInfo(
+            prompt_tokens=self.num_prompt_tokens,
+            completion_tokens=completion,
+            total_tokens=self.num_prompt_tokens + completion,
+        )
+
+
+class Server:
+    """Runs API calls against one backend and records their metrics."""
+
+    def __init__(self, backend: Backend, metrics: WorkerMetrics) -> None:
+        self.backend = backend
+        self.metrics = metrics
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.backend.tokenizer
+
+    async def _outputs(
+        self, call: Call, choices: list[Choice], wait_disconnect: Callable[[], Awaitable[None]] | None
+    ) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+        """The merged deltas of every choice, with metrics recorded at the end."""
+        status = RequestStatus.ERROR
+        self.metrics.count_prompt_tokens(call.num_prompt_tokens)
+        p = call.prepared
+        try:
+            async with aclosing(stream_choices(self.backend, call.request_id, p.prompt_token_ids, p.params, wait_disconnect)) as stream:
+                async for i, out in stream:
+                    choices[i].add(out, time.monotonic())
+                    yield choices[i], out
+            aborted = any(c.finish_reason == "abort" for c in choices)
+            status = RequestStatus.ABORTED if aborted else RequestStatus.OK
+        except (ClientDisconnected, GeneratorExit, asyncio.CancelledError):
+            status = RequestStatus.ABORTED
+            raise
+        finally:
+            self._record(call, choices, status)
+
+    def _record(self, call: Call, choices: list[Choice], status: str) -> None:
+        end = time.monotonic()
+        self.metrics.count_request(status)
+        for c in choices:
+            ttft = None if c.first_token_at is None else c.first_token_at - call.arrival
+            span = 0.0 if c.first_token_at is None or c.last_token_at is None else c.last_token_at - c.first_token_at
+            self.metrics.observe_sequence(ttft, end - call.arrival, c.num_output_tokens, span)
+
+    # --- whole responses ------------------------------------------------
+
+    async def respond(self, call: Call, wait_disconnect: Callable[[], Awaitable[None]] | None) -> BaseModel:
+        choices = [Choice(i) for i in range(call.prepared.params.n)]
+        async with aclosing(self._outputs(call, choices, wait_disconnect)) as outputs:
+            async for _ in outputs:
+                pass
+        usage = call.usage(choices)
+        if call.kind == "chat":
+            return ChatCompletionResponse(
+                id=call.request_id, model=call.model_name, usage=usage,
+                choices=[
+                    ChatChoice(
+                        index=c.index,
+                        message=ChatResponseMessage(content=c.text),
+                        logprobs=self._chat_logprobs(c.logprobs) if call.wants_logprobs else None,
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                        token_ids=c.token_ids if call.return_token_ids else None,
+                    )
+                    for c in choices
+                ],
+            )  # fmt: skip
+        return CompletionResponse(
+            id=call.request_id, model=call.model_name, usage=usage,
+            choices=[
+                CompletionChoice(
+                    index=c.index,
+                    text=c.text,
+                    logprobs=self._completion_logprobs(c.logprobs, 0) if call.wants_logprobs else None,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                    token_ids=c.token_ids if call.return_token_ids else None,
+                )
+                for c in choices
+            ],
+        )  # fmt: skip
+
+    # --- server-sent events ---------------------------------------------
+
+    async def stream(self, call: Call, wait_disconnect: Callable[[], Awaitable[None]] | None) -> AsyncIterator[str]:
+        """SSE lines: one chunk per delta, then usage if asked, then [DONE]."""
+        choices = [Choice(i) for i in range(call.prepared.params.n)]
+        try:
+            if call.kind == "chat":
+                for c in choices:
+                    yield _sse(self._chat_chunk(call, c, ChatDelta(role="assistant", content="")))
+            async with aclosing(self._outputs(call, choices, wait_disconnect)) as outputs:
+                async for choice, out in outputs:
+                    if not (out.new_text or out.new_token_ids or out.finished):
+                        continue
+                    yield _sse(self._chunk(call, choice, out))
+            if call.include_usage:
+                usage = call.usage(choices)
+                if call.kind == "chat":
+                    yield _sse(ChatCompletionChunk(id=call.request_id, model=call.model_name, choices=[], usage=usage))
+                else:
+                    yield _sse(CompletionResponse(id=call.request_id, model=call.model_name, choices=[], usage=usage))
+        except ClientDisconnected:
+            return
+        except Exception as exc:  # the status line is already sent: report in band
+            log.exception("streamed request %s failed", call.request_id)
+            info = ErrorInfo(message=f"internal error: {type(exc).__name__}: {exc}", type="server_error", code=500)
+            yield _sse(ErrorResponse(error=info))
+        yield "data: [DONE]\n\n"
+
+    def _chunk(self, call: Call, choice: Choice, out: RequestOutput) -> BaseModel:
+        token_ids = out.new_token_ids if call.return_token_ids else None
+        finish = out.finish_reason if out.finished else None
+        stop_reason = out.stop_reason if out.finished else None
+        new_logprobs = out.new_logprobs or []
+        if call.kind == "chat":
+            return self._chat_chunk(
+                call, choice, ChatDelta(content=out.new_text),
+                logprobs=self._chat_logprobs(new_logprobs) if call.wants_logprobs else None,
+                finish_reason=finish, stop_reason=stop_reason, token_ids=token_ids,
+            )  # fmt: skip
+        offset = len(choice.text) - len(out.new_text)
+        return CompletionResponse(
+            id=call.request_id, model=call.model_name,
+            choices=[
+                CompletionChoice(
+                    index=choice.index, text=out.new_text,
+                    logprobs=self._completion_logprobs(new_logprobs, offset) if call.wants_logprobs else None,
+                    finish_reason=finish, stop_reason=stop_reason, token_ids=token_ids,
+                )
+            ],
+        )  # fmt: skip
+
+    @staticmethod
+    def _chat_chunk(call: Call, choice: Choice, delta: ChatDelta, **fields: object) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            id=call.request_id, model=call.model_name,
+            choices=[ChatChunkChoice(index=choice.index, delta=delta, **fields)],  # type: ignore[arg-type]
+        )  # fmt: skip
+
+    # --- logprobs -------------------------------------------------------
+
+    def _completion_logprobs(self, logprobs: list[TokenLogprob], text_offset: int) -> CompletionLogprobs:
+        result = CompletionLogprobs()
+        for lp in logprobs:
+            token = self.tokenizer.token_text(lp.token_id)
+            result.tokens.append(token)
+            result.token_logprobs.append(lp.logprob)
+            result.top_logprobs.append({self.tokenizer.token_text(t): v for t, v in lp.top})
+            result.text_offset.append(text_offset)
+            text_offset += len(token)
+        return result
+
+    def _chat_logprobs(self, logprobs: list[TokenLogprob]) -> ChatLogprobs:
+        def entry(token_id: int, logprob: float) -> ChatTopLogprob:
+            token = self.tokenizer.token_text(token_id)
+            return ChatTopLogprob(token=token, logprob=logprob, bytes=list(token.encode("utf-8")))
+
+        content = []
+        for lp in logprobs:
+            head = entry(lp.token_id, lp.logprob)
+            content.append(ChatTokenLogprob(**head.model_dump(), top_logprobs=[entry(t, v) for t, v in lp.top]))
+        return ChatLogprobs(content=content)
+
+
+def _sse(body: BaseModel) -> str:
+    return f"data: {json.dumps(body.model_dump(exclude_none=False), ensure_ascii=False)}\n\n"

@@ -1,0 +1,136 @@
+"""The worker's Prometheus metrics. Their names are a contract (DESIGN.md).
+
+Each server owns a `WorkerMetrics` with its own registry, so several servers
+can live in one process (tests) without clashing in the global registry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+# Seconds; from a tiny model on a GPU to a long prompt on a CPU.
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+_TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class RequestStatus:
+    """Values of the `status` label of disagg_requests_total."""
+
+    OK = "ok"  # finished by a stop condition or max_tokens
+    REJECTED = "rejected"  # bad input, answered with a 4xx
+    ABORTED = "aborted"  # the client went away or the engine aborted it
+    ERROR = "error"  # the server failed it
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's load, for the gauges and for routing."""
+
+    kv_blocks_total: int
+    kv_blocks_free: int
+    requests_running: int
+    requests_waiting: int
+
+
+class WorkerMetrics:
+    """All metrics of one worker; `role` labels its request counter."""
+
+    def __init__(self, role: str) -> None:
+        self.role = role
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.time_to_first_token = Histogram(
+            "disagg_time_to_first_token_seconds",
+            "Time from a request's arrival to its first output token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.time_per_output_token = Histogram(
+            "disagg_time_per_output_token_seconds",
+            "Mean time between output tokens after the first, per sequence.",
+            buckets=_TOKEN_GAP_BUCKETS,
+            registry=r,
+        )
+        self.e2e_request_latency = Histogram(
+            "disagg_e2e_request_latency_seconds",
+            "Time from a request's arrival to its last output token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.kv_transfer_seconds = Histogram(
+            "disagg_kv_transfer_seconds",
+            "Time to move one request's KV cache between prefill and decode.",
+            buckets=_TRANSFER_BUCKETS,
+            registry=r,
+        )
+        self.requests = Counter(
+            "disagg_requests", "Requests by outcome.", ["role", "status"], registry=r
+        )
+        self.kv_transfer_bytes = Counter(
+            "disagg_kv_transfer_bytes",
+            "KV cache bytes moved, by direction (sent, received) and peer instance.",
+            ["direction", "peer"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter("disagg_prompt_tokens", "Prompt tokens processed.", registry=r)
+        self.generation_tokens = Counter("disagg_generation_tokens", "Output tokens generated.", registry=r)
+        self.kv_blocks_total = Gauge("disagg_kv_blocks_total", "KV cache blocks in the pool.", registry=r)
+        self.kv_blocks_free = Gauge("disagg_kv_blocks_free", "KV cache blocks free.", registry=r)
+        self.requests_running = Gauge("disagg_requests_running", "Requests being computed.", registry=r)
+        self.requests_waiting = Gauge("disagg_requests_waiting", "Requests queued.", registry=r)
+        self.links = Gauge("disagg_links", "Prefill/decode links this worker holds.", registry=r)
+        # Every outcome shows as 0 from the start, so rate() works at once.
+        for status in (RequestStatus.OK, RequestStatus.REJECTED, RequestStatus.ABORTED, RequestStatus.ERROR):
+            self.requests.labels(role=role, status=status)
+
+    def count_request(self, status: str) -> None:
+        self.requests.labels(role=self.role, status=status).inc()
+
+    def observe_sequence(
+        self,
+        ttft_s: float | None,
+        e2e_s: float,
+        num_output_tokens: int,
+        first_to_last_s: float,
+    ) -> None:
+        """Record one finished sequence (one choice of a request).
+
+        Args:
+            ttft_s: arrival to first token; None when no token came out.
+            e2e_s: arrival to the end of the sequence.
+            num_output_tokens: tokens the sequence generated.
+            first_to_last_s: time from its first to its last token.
+        """
+        if ttft_s is not None:
+            self.time_to_first_token.observe(ttft_s)
+        if num_output_tokens > 1:
+            self.time_per_output_token.observe(first_to_last_s / (num_output_tokens - 1))
+        self.e2e_request_latency.observe(e2e_s)
+        self.generation_tokens.inc(num_output_tokens)
+
+    def count_prompt_tokens(self, n: int) -> None:
+        self.prompt_tokens.inc(n)
+
+    def observe_kv_transfer(self, direction: str, peer: str, num_bytes: int, seconds: float) -> None:
+        assert direction in ("sent", "received"), f"unknown transfer direction {direction!r}"
+        self.kv_transfer_bytes.labels(direction=direction, peer=peer).inc(num_bytes)
+        self.kv_transfer_seconds.observe(seconds)
+
+    def set_engine_stats(self, stats: EngineStats) -> None:
+        self.kv_blocks_total.set(stats.kv_blocks_total)
+        self.kv_blocks_free.set(stats.kv_blocks_free)
+        self.requests_running.set(stats.requests_running)
+        self.requests_waiting.set(stats.requests_waiting)
+
+    def set_links(self, n: int) -> None:
+        self.links.set(n)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)
