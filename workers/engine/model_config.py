@@ -184,6 +184,9 @@ def _reject_sliding_window(hf: dict[str, Any], architecture: str) -> None:
     applies = hf.get("use_sliding_window", architecture not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"))
     if window is not None and applies and window < hf.get("max_position_embeddings", math.inf):
         raise ModelConfigError(f"sliding_window attention ({window}) is not supported")
+    layer_types = set(hf.get("layer_types") or ["full_attention"])
+    if layer_types != {"full_attention"}:
+        raise ModelConfigError(f"layer_types {sorted(layer_types)} are not supported (only full_attention)")
 
 
 def _rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
