@@ -1,0 +1,111 @@
+"""The control plane and the local kubelet together: a one-node cluster on loopback."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
+
+from disagg.testing.binaries import Binaries, find_binaries
+from disagg.testing.controlplane import ControlPlane
+from disagg.testing.kubelet import LocalKubelet
+
+
+class LocalCluster:
+    """`start()` builds the binaries when missing, then starts the control plane and the kubelet.
+
+    Everything a run writes goes under `workdir` (a fresh temporary folder,
+    removed on stop, unless given): `logs/` for the control plane,
+    `kubelet/pods/<namespace>_<name>.log` for each pod's process.
+    """
+
+    def __init__(self, workdir: Path | None = None, binaries: Binaries | None = None,
+                 start_timeout_s: float = 120.0) -> None:
+        self._own_workdir = workdir is None
+        self.workdir = workdir if workdir is not None else Path(tempfile.mkdtemp(prefix="disagg-cluster-"))
+        self._binaries = binaries
+        self.start_timeout_s = start_timeout_s
+        self.control_plane: ControlPlane | None = None
+        self.kubelet: LocalKubelet | None = None
+        self.start_seconds = 0.0  # wall time of the last control plane start
+
+    @property
+    def binaries(self) -> Binaries:
+        if self._binaries is None:
+            self._binaries = find_binaries()
+        return self._binaries
+
+    def start(self) -> None:
+        binaries = self.binaries
+        began = time.monotonic()
+        self.control_plane = ControlPlane(binaries, self.workdir, self.start_timeout_s)
+        try:
+            self.control_plane.start()
+            self.start_seconds = time.monotonic() - began
+            self.kubelet = LocalKubelet(self.control_plane.admin_kubeconfig, self.workdir / "kubelet")
+            self.kubelet.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        if self.kubelet is not None:
+            self.kubelet.stop()
+            self.kubelet = None
+        if self.control_plane is not None:
+            self.control_plane.stop()
+            self.control_plane = None
+        if self._own_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    @property
+    def admin_kubeconfig(self) -> Path:
+        assert self.control_plane is not None, "the cluster is not started"
+        return self.control_plane.admin_kubeconfig
+
+    @property
+    def user_kubeconfig(self) -> Path:
+        assert self.control_plane is not None, "the cluster is not started"
+        return self.control_plane.user_kubeconfig
+
+    def api_client(self, admin: bool = True) -> client.ApiClient:
+        """A new API client for the admin (system:masters) or the non-admin identity."""
+        path = self.admin_kubeconfig if admin else self.user_kubeconfig
+        return config.new_client_from_config(config_file=str(path))
+
+    def __enter__(self) -> LocalCluster:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+def create_namespace(core: client.CoreV1Api, name: str, timeout_s: float = 60.0) -> None:
+    """Create a namespace and wait for its `default` ServiceAccount.
+
+    The ServiceAccount admission plugin refuses pods until the service-account
+    controller has created that account, a moment after the namespace.
+    """
+    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)), _request_timeout=10)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            core.read_namespaced_service_account("default", name, _request_timeout=10)
+            return
+        except ApiException as e:
+            if e.status != 404:
+                raise
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"namespace {name}: no default ServiceAccount after {timeout_s:.0f} s")
+        time.sleep(0.2)

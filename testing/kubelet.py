@@ -1,0 +1,492 @@
+"""A small local kubelet: real processes for the pods of a real API server.
+
+It registers one Ready node, binds every unscheduled pod to it (there is no
+scheduler), and runs each pod's first container command as a local process
+on an address of its own in 127.0.0.0/8, reported as `status.podIP` (and
+given to the process as `POD_IP`, since it binds the address itself). It runs
+readiness probes, computes `Ready` as the kubelet does (containers ready and
+every readiness gate True), reports container states and restarts per
+`restartPolicy`, and on deletion SIGTERMs the process group, waits the grace
+period, SIGKILLs and removes the pod object.
+
+Threads: one reconcile loop (lists pods and acts), one watch that wakes it
+early, a small pool for probes, one thread per terminating pod. The shared
+state (`_runtimes`, the address pool) is guarded by `_lock`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import logging
+import os
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client, config, watch
+from kubernetes.client import V1Container, V1Pod
+from kubernetes.client.exceptions import ApiException
+from urllib3.exceptions import HTTPError
+
+from disagg.testing.podenv import PodConfigError, command_line, container_env
+from disagg.testing.probes import ProbeTracker, parse_probe
+from disagg.testing.processes import ManagedProcess
+
+log = logging.getLogger(__name__)
+
+HOST_IP = "127.0.0.1"
+DEFAULT_NODE = "disagg-local-node"
+_REQUEST_TIMEOUT = (5, 30)  # (connect, read) seconds for every API call
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def default_address_pool() -> ipaddress.IPv4Network:
+    """A random /16 inside 127.0.0.0/8, so that two kubelets on one machine
+    (two test sessions) rarely hand out the same pod address."""
+    return ipaddress.IPv4Network(f"127.{random.randint(16, 250)}.0.0/16")
+
+
+@dataclass
+class PodRuntime:
+    """What the kubelet knows about one pod it runs."""
+
+    uid: str
+    namespace: str
+    name: str
+    ip: str
+    log_path: Path
+    process: ManagedProcess | None = None
+    started_at: str = ""  # RFC 3339, the current run's start
+    started_mono: float = 0.0
+    ever_started: bool = False
+    restart_count: int = 0
+    restart_at: float = 0.0  # monotonic time the next (re)start may happen
+    backoff_s: float = 0.0
+    waiting: tuple[str, str] = ("ContainerCreating", "")
+    last_terminated: dict[str, Any] | None = None
+    final: dict[str, Any] | None = None  # the terminated state once it will not run again
+    tracker: ProbeTracker | None = None
+    probe_in_flight: bool = False
+    env: dict[str, str] = field(default_factory=dict)
+    cwd: str = ""
+    transitions: dict[str, tuple[str, str]] = field(default_factory=dict)  # type -> (status, time)
+    reported: dict[str, Any] | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+
+class LocalKubelet:
+    """Runs the pods bound to `node_name`; `start()` registers the node and returns at once."""
+
+    def __init__(
+        self,
+        kubeconfig: Path,
+        workdir: Path,
+        node_name: str = DEFAULT_NODE,
+        address_pool: ipaddress.IPv4Network | None = None,
+        default_cwd: Path | None = None,
+        resync_s: float = 1.0,
+        backoff_s: tuple[float, float] = (1.0, 20.0),
+    ) -> None:
+        self.node_name = node_name
+        self.workdir = workdir
+        self.default_cwd = str(default_cwd or Path.cwd())
+        self.resync_s = resync_s
+        self.backoff_s = backoff_s
+        pool = address_pool or default_address_pool()
+        # Skip the network address and 127.0.0.1, where the control plane listens.
+        self._free_ips = [str(ip) for ip in pool.hosts() if str(ip) != HOST_IP]
+        self._api = config.new_client_from_config(config_file=str(kubeconfig))
+        self._watch_api = config.new_client_from_config(config_file=str(kubeconfig))
+        self.core = client.CoreV1Api(self._api)
+        self._lock = threading.Lock()
+        self._runtimes: dict[str, PodRuntime] = {}
+        self._terminating: set[str] = set()  # uids whose stop has begun (once per pod)
+        self._stopping = threading.Event()
+        self._wake = threading.Event()
+        self._probes = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kubelet-probe")
+        self._threads: list[threading.Thread] = []
+        self._last_heartbeat = 0.0
+
+    # ---- lifecycle --------------------------------------------------------
+
+    def start(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self._register_node()
+        for target, name in ((self._loop, "kubelet-sync"), (self._watch, "kubelet-watch")):
+            t = threading.Thread(target=target, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def stop(self) -> None:
+        """Stop the loops and every pod process (the API objects stay)."""
+        self._stopping.set()
+        self._wake.set()
+        for t in self._threads:
+            t.join(timeout=30)
+        self._probes.shutdown(wait=True, cancel_futures=True)
+        with self._lock:
+            procs = [rt.process for rt in self._runtimes.values() if rt.process is not None]
+            self._runtimes.clear()
+        for proc in procs:
+            proc.stop(grace_s=5.0)
+        self._api.close()
+        self._watch_api.close()
+
+    def pod_log(self, namespace: str, name: str) -> Path:
+        """Where the process of pod namespace/name writes its output."""
+        return self.workdir / "pods" / f"{namespace}_{name}.log"
+
+    def pod_pid(self, namespace: str, name: str) -> int | None:
+        """The current process id of a pod's container, or None."""
+        with self._lock:
+            for rt in self._runtimes.values():
+                if (rt.namespace, rt.name) == (namespace, name) and rt.process is not None:
+                    return rt.process.pid
+        return None
+
+    # ---- node -------------------------------------------------------------
+
+    def _node_status(self) -> dict[str, Any]:
+        now = _now()
+        return {
+            "conditions": [{
+                "type": "Ready", "status": "True", "reason": "KubeletReady",
+                "message": "disagg local kubelet is posting ready status",
+                "lastHeartbeatTime": now, "lastTransitionTime": now,
+            }],
+            "addresses": [{"type": "InternalIP", "address": HOST_IP}, {"type": "Hostname", "address": self.node_name}],
+            "capacity": {"cpu": str(os.cpu_count() or 1), "memory": "64Gi", "pods": "1000"},
+            "allocatable": {"cpu": str(os.cpu_count() or 1), "memory": "64Gi", "pods": "1000"},
+            "nodeInfo": {
+                "kubeletVersion": "disagg-local", "kubeProxyVersion": "", "operatingSystem": "linux",
+                "architecture": "amd64", "containerRuntimeVersion": "local://process", "osImage": "",
+                "kernelVersion": os.uname().release, "machineID": "", "systemUUID": "", "bootID": "",
+            },
+        }
+
+    def _register_node(self) -> None:
+        body = {"metadata": {"name": self.node_name, "labels": {"kubernetes.io/hostname": self.node_name}}}
+        try:
+            self.core.create_node(body, _request_timeout=_REQUEST_TIMEOUT)
+        except ApiException as e:
+            if e.status != 409:
+                raise
+        # The API drops a new node's status, and TaintNodesByCondition gave it a
+        # not-ready taint that only the (absent) node-lifecycle controller lifts.
+        self.core.patch_node(self.node_name, {"spec": {"taints": None}}, _request_timeout=_REQUEST_TIMEOUT)
+        self.core.patch_node_status(self.node_name, {"status": self._node_status()}, _request_timeout=_REQUEST_TIMEOUT)
+        self._last_heartbeat = time.monotonic()
+
+    # ---- loops ------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stopping.is_set():
+            self._wake.wait(timeout=self.resync_s)
+            self._wake.clear()
+            if self._stopping.is_set():
+                return
+            try:
+                pods = self.core.list_pod_for_all_namespaces(_request_timeout=_REQUEST_TIMEOUT).items
+                self._sync(pods)
+                # Our own status patches come back as watch events: pace the re-lists.
+                self._stopping.wait(0.1)
+                if time.monotonic() - self._last_heartbeat > 20:
+                    self.core.patch_node_status(
+                        self.node_name, {"status": self._node_status()}, _request_timeout=_REQUEST_TIMEOUT
+                    )
+                    self._last_heartbeat = time.monotonic()
+            except (ApiException, HTTPError, OSError) as e:
+                # The API server may be restarting; the next round retries.
+                log.warning("kubelet sync failed: %s", e)
+
+    def _watch(self) -> None:
+        """Only to react quickly: every event wakes the loop, which re-lists."""
+        core = client.CoreV1Api(self._watch_api)
+        while not self._stopping.is_set():
+            w = watch.Watch()
+            try:
+                for _ in w.stream(core.list_pod_for_all_namespaces, timeout_seconds=5, _request_timeout=(5, 15)):
+                    self._wake.set()
+                    if self._stopping.is_set():
+                        w.stop()
+            except (ApiException, HTTPError, OSError) as e:
+                log.debug("kubelet watch ended: %s", e)
+                self._stopping.wait(1.0)
+
+    # ---- reconcile --------------------------------------------------------
+
+    def _sync(self, pods: list[V1Pod]) -> None:
+        seen: set[str] = set()
+        for pod in pods:
+            node = pod.spec.node_name
+            if node and node != self.node_name:
+                continue
+            seen.add(pod.metadata.uid)
+            try:
+                self._sync_pod(pod)
+            except ApiException as e:
+                # One bad pod must not starve the others.
+                log.warning("pod %s/%s: %s", pod.metadata.namespace, pod.metadata.name, e)
+        with self._lock:
+            gone = [rt for uid, rt in self._runtimes.items() if uid not in seen and uid not in self._terminating]
+            self._terminating &= seen | {rt.uid for rt in self._runtimes.values()}
+        for rt in gone:
+            # Force-deleted (grace 0) or its namespace vanished: nothing to report to.
+            self._begin_termination(None, rt)
+
+    def _sync_pod(self, pod: V1Pod) -> None:
+        if not pod.spec.node_name:
+            if pod.metadata.deletion_timestamp is None:
+                self._bind(pod)
+            return
+        with self._lock:
+            rt = self._runtimes.get(pod.metadata.uid)
+        if pod.metadata.deletion_timestamp is not None:
+            self._begin_termination(pod, rt)
+            return
+        if rt is None:
+            if pod.status.phase in ("Succeeded", "Failed"):
+                return  # finished before this kubelet started
+            rt = self._admit(pod)
+        self._advance(rt, pod)
+        self._report(rt, pod)
+
+    def _bind(self, pod: V1Pod) -> None:
+        body = client.V1Binding(
+            metadata=client.V1ObjectMeta(name=pod.metadata.name, uid=pod.metadata.uid),
+            target=client.V1ObjectReference(api_version="v1", kind="Node", name=self.node_name),
+        )
+        try:
+            # _preload_content=False: the client cannot parse the Status it gets back.
+            self.core.create_namespaced_pod_binding(
+                pod.metadata.name, pod.metadata.namespace, body,
+                _preload_content=False, _request_timeout=_REQUEST_TIMEOUT,
+            )
+        except ApiException as e:
+            if e.status not in (404, 409):
+                raise
+
+    def _admit(self, pod: V1Pod) -> PodRuntime:
+        meta = pod.metadata
+        with self._lock:
+            assert self._free_ips, "the pod address pool is exhausted"
+            ip = self._free_ips.pop(0)
+            rt = PodRuntime(uid=meta.uid, namespace=meta.namespace, name=meta.name, ip=ip,
+                            log_path=self.pod_log(meta.namespace, meta.name))
+            self._runtimes[meta.uid] = rt
+        others = [c.name for c in pod.spec.containers[1:]]
+        if others:
+            log.warning("pod %s/%s: only the first container runs here, not %s", meta.namespace, meta.name, others)
+        return rt
+
+    def _lookup(self, kind: str, namespace: str, name: str) -> dict[str, str] | None:
+        try:
+            if kind == "ConfigMap":
+                obj = self.core.read_namespaced_config_map(name, namespace, _request_timeout=_REQUEST_TIMEOUT)
+            else:
+                obj = self.core.read_namespaced_secret(name, namespace, _request_timeout=_REQUEST_TIMEOUT)
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+        return dict(obj.data or {})
+
+    def _start_container(self, rt: PodRuntime, pod: V1Pod) -> None:
+        container: V1Container = pod.spec.containers[0]
+        injected = {"POD_IP": rt.ip, "POD_NAME": rt.name, "POD_NAMESPACE": rt.namespace}
+        try:
+            env = {**injected, **container_env(pod, container, rt.ip, HOST_IP, self._lookup)}
+            argv = command_line(container, env)
+            cwd = container.working_dir or self.default_cwd
+            if not Path(cwd).is_dir():
+                raise PodConfigError(f"workingDir {cwd!r} does not exist")
+            tracker = None
+            if container.readiness_probe is not None:
+                tracker = ProbeTracker(parse_probe(container.readiness_probe, container, rt.ip), time.monotonic())
+        except PodConfigError as e:
+            rt.waiting = ("CreateContainerConfigError", str(e))
+            rt.restart_at = time.monotonic() + self.backoff_s[0]
+            return
+        # The process sees this machine's environment (PATH, the virtualenv)
+        # under the pod's own variables.
+        full_env = {**os.environ, **env}
+        with rt.log_path.open("ab") as f:
+            f.write(f"--- {_now()} starting {argv}\n".encode())
+        rt.process = ManagedProcess(f"{rt.namespace}/{rt.name}", argv, rt.log_path, env=full_env, cwd=cwd)
+        if rt.ever_started:
+            rt.restart_count += 1
+        rt.ever_started = True
+        rt.env, rt.cwd, rt.tracker = full_env, cwd, tracker
+        rt.started_at, rt.started_mono = _now(), time.monotonic()
+
+    def _advance(self, rt: PodRuntime, pod: V1Pod) -> None:
+        """Notice an exit, restart per policy, start probes that are due."""
+        now = time.monotonic()
+        if rt.process is not None and (code := rt.process.poll()) is not None:
+            rt.process.reap()
+            rt.process, rt.tracker = None, None
+            # A signal death is reported as 128 + the signal number, as by runtimes.
+            exit_code = code if code >= 0 else 128 - code
+            term = {"exitCode": exit_code, "reason": "Completed" if exit_code == 0 else "Error",
+                    "startedAt": rt.started_at, "finishedAt": _now()}
+            policy = pod.spec.restart_policy or "Always"
+            if policy == "Always" or (policy == "OnFailure" and exit_code != 0):
+                lo, hi = self.backoff_s
+                # A run that lasted well past the longest back-off resets it.
+                rt.backoff_s = lo if now - rt.started_mono > 2 * hi else min(max(rt.backoff_s * 2, lo), hi)
+                rt.last_terminated = term
+                rt.waiting = ("CrashLoopBackOff", f"back-off {rt.backoff_s:.0f}s restarting failed container")
+                rt.restart_at = now + rt.backoff_s
+            else:
+                rt.final = term
+        if rt.process is None and rt.final is None and now >= rt.restart_at:
+            self._start_container(rt, pod)
+        if rt.tracker is not None and rt.running and not rt.probe_in_flight and rt.tracker.due(now):
+            rt.probe_in_flight = True
+            self._probes.submit(self._probe, rt, rt.tracker)
+
+    def _probe(self, rt: PodRuntime, tracker: ProbeTracker) -> None:
+        ok = tracker.probe.run(rt.env, rt.cwd)
+        with self._lock:
+            rt.probe_in_flight = False
+            changed = tracker.record(ok, time.monotonic())
+        if changed:
+            self._wake.set()
+
+    # ---- status -----------------------------------------------------------
+
+    def _container_ready(self, rt: PodRuntime) -> bool:
+        if not rt.running:
+            return False
+        return rt.tracker.ready if rt.tracker is not None else True
+
+    def _condition(self, rt: PodRuntime, type_: str, ok: bool, reason: str = "", message: str = "") -> dict[str, Any]:
+        status = "True" if ok else "False"
+        previous = rt.transitions.get(type_)
+        if previous is None or previous[0] != status:
+            rt.transitions[type_] = (status, _now())
+        cond = {"type": type_, "status": status, "lastProbeTime": None,
+                "lastTransitionTime": rt.transitions[type_][1]}
+        if reason:
+            cond.update(reason=reason, message=message)
+        else:
+            cond.update(reason=None, message=None)
+        return cond
+
+    def _status(self, rt: PodRuntime, pod: V1Pod) -> dict[str, Any]:
+        container: V1Container = pod.spec.containers[0]
+        ready = self._container_ready(rt)
+        state: dict[str, Any]
+        if rt.running:
+            state = {"running": {"startedAt": rt.started_at}}
+        elif rt.final is not None:
+            state = {"terminated": rt.final}
+        else:
+            reason, message = rt.waiting
+            state = {"waiting": {"reason": reason, "message": message or None}}
+        container_status = {
+            "name": container.name, "image": container.image or "", "imageID": "",
+            "containerID": f"local://{rt.process.pid}" if rt.running and rt.process else None,
+            "ready": ready, "started": rt.running, "restartCount": rt.restart_count,
+            "state": state,
+            "lastState": {"terminated": rt.last_terminated} if rt.last_terminated else {},
+        }
+        if rt.final is not None:
+            phase = "Succeeded" if rt.final["exitCode"] == 0 else "Failed"
+        elif rt.ever_started:
+            phase = "Running"
+        else:
+            phase = "Pending"
+        gates = [g.condition_type for g in pod.spec.readiness_gates or []]
+        current = {c.type: c.status for c in pod.status.conditions or []}
+        missing = [g for g in gates if current.get(g) != "True"]
+        if not ready:
+            why = ("ContainersNotReady", f"containers with unready status: [{container.name}]")
+        elif missing:
+            why = ("ReadinessGatesNotReady", f"corresponding condition of pod readiness gate {missing} does not exist or is False")
+        else:
+            why = ("", "")
+        conditions = [
+            self._condition(rt, "PodReadyToStartContainers", True),
+            self._condition(rt, "Initialized", True),
+            self._condition(rt, "ContainersReady", ready, *(why if not ready else ("", ""))),
+            self._condition(rt, "Ready", ready and not missing, *why),
+            self._condition(rt, "PodScheduled", True),
+        ]
+        return {
+            "phase": phase,
+            "hostIP": HOST_IP, "hostIPs": [{"ip": HOST_IP}],
+            "podIP": rt.ip, "podIPs": [{"ip": rt.ip}],
+            "startTime": pod.status.start_time.strftime("%Y-%m-%dT%H:%M:%SZ") if pod.status.start_time else _now(),
+            "conditions": conditions,
+            "containerStatuses": [container_status],
+        }
+
+    def _report(self, rt: PodRuntime, pod: V1Pod) -> None:
+        with self._lock:
+            status = self._status(rt, pod)
+        if status == rt.reported:
+            return
+        try:
+            # Strategic merge: conditions merge by type, so the gate conditions
+            # that others (the operator) write are left alone.
+            self.core.patch_namespaced_pod_status(
+                rt.name, rt.namespace, {"metadata": {"uid": rt.uid}, "status": status},
+                _request_timeout=_REQUEST_TIMEOUT,
+            )
+            rt.reported = status
+        except ApiException as e:
+            if e.status not in (404, 409):
+                raise
+
+    # ---- termination ------------------------------------------------------
+
+    def _begin_termination(self, pod: V1Pod | None, rt: PodRuntime | None) -> None:
+        uid = rt.uid if rt is not None else pod.metadata.uid if pod is not None else ""
+        assert uid, "a termination needs a pod or a runtime"
+        with self._lock:
+            if uid in self._terminating:
+                return
+            self._terminating.add(uid)
+        grace = 30.0
+        if pod is not None:
+            if pod.metadata.deletion_grace_period_seconds is not None:
+                grace = float(pod.metadata.deletion_grace_period_seconds)
+            elif pod.spec.termination_grace_period_seconds is not None:
+                grace = float(pod.spec.termination_grace_period_seconds)
+        t = threading.Thread(target=self._terminate, args=(pod, rt, grace), daemon=True, name=f"kubelet-stop-{uid}")
+        t.start()
+        self._threads.append(t)
+
+    def _terminate(self, pod: V1Pod | None, rt: PodRuntime | None, grace_s: float) -> None:
+        """SIGTERM, wait the grace period, SIGKILL; then delete the pod object for good."""
+        if rt is not None and rt.process is not None:
+            code = rt.process.stop(grace_s=grace_s)
+            log.info("pod %s/%s stopped (exit %s)", rt.namespace, rt.name, code)
+        if pod is not None:
+            try:
+                self.core.delete_namespaced_pod(
+                    pod.metadata.name, pod.metadata.namespace,
+                    body=client.V1DeleteOptions(grace_period_seconds=0,
+                                                preconditions=client.V1Preconditions(uid=pod.metadata.uid)),
+                    _request_timeout=_REQUEST_TIMEOUT,
+                )
+            except ApiException as e:
+                if e.status not in (404, 409):
+                    log.warning("deleting pod %s/%s failed: %s", pod.metadata.namespace, pod.metadata.name, e)
+        if rt is not None:
+            with self._lock:
+                self._runtimes.pop(rt.uid, None)
+                self._free_ips.append(rt.ip)
+        self._wake.set()

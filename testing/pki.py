@@ -1,0 +1,140 @@
+"""Keys, certificates and tokens for a throw-away control plane.
+
+One short-lived CA signs the API server's serving certificate; an RSA key
+pair signs service-account tokens; random bearer tokens name the identities
+of the static token file.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
+from cryptography.x509.oid import NameOID
+
+# The service network's first address is the `kubernetes` Service's ClusterIP,
+# which in-cluster clients verify against the serving certificate.
+SERVICE_CIDR = "10.0.0.0/24"
+_VALIDITY = datetime.timedelta(days=7)
+
+
+@dataclass(frozen=True)
+class Identity:
+    """One line of the API server's static token file."""
+
+    user: str
+    token: str
+    groups: tuple[str, ...] = ()
+
+    def csv_line(self) -> str:
+        groups = ",".join(self.groups)
+        return f'{self.token},{self.user},{self.user},"{groups}"'
+
+
+def new_identity(user: str, *groups: str) -> Identity:
+    return Identity(user=user, token=secrets.token_urlsafe(24), groups=tuple(groups))
+
+
+def write_token_file(path: Path, identities: list[Identity]) -> None:
+    path.write_text("".join(i.csv_line() + "\n" for i in identities))
+    path.chmod(0o600)
+
+
+@dataclass(frozen=True)
+class PkiFiles:
+    ca_cert: Path
+    ca_key: Path
+    serving_cert: Path
+    serving_key: Path
+    sa_key: Path  # RSA private key: signs service-account tokens
+    sa_pub: Path  # its public half: verifies them
+
+
+def _write_key(path: Path, key: rsa.RSAPrivateKey | ec.EllipticCurvePrivateKey) -> None:
+    path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    path.chmod(0o600)
+
+
+def _name(common_name: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+
+
+def write_pki(directory: Path, hosts: list[str]) -> PkiFiles:
+    """Create the CA, the serving certificate for `hosts` and the SA key pair."""
+    directory.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    # EC keys for TLS: generating them is instant, unlike RSA.
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_cert = (
+        x509.CertificateBuilder()
+        .subject_name(_name("disagg-test-ca"))
+        .issuer_name(_name("disagg-test-ca"))
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + _VALIDITY)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True, key_cert_sign=True, crl_sign=True,
+                content_commitment=False, key_encipherment=False, data_encipherment=False,
+                key_agreement=False, encipher_only=False, decipher_only=False,
+            ),
+            critical=True,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    sans: list[x509.GeneralName] = []
+    for host in hosts:
+        try:
+            sans.append(x509.IPAddress(ipaddress.ip_address(host)))
+        except ValueError:
+            sans.append(x509.DNSName(host))
+    serving_key = ec.generate_private_key(ec.SECP256R1())
+    serving_cert = (
+        x509.CertificateBuilder()
+        .subject_name(_name("kube-apiserver"))
+        .issuer_name(ca_cert.subject)
+        .public_key(serving_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + _VALIDITY)
+        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    # Service-account tokens are RS256 by convention; 2048 bits is the minimum
+    # the API server accepts.
+    sa_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+
+    files = PkiFiles(
+        ca_cert=directory / "ca.crt",
+        ca_key=directory / "ca.key",
+        serving_cert=directory / "apiserver.crt",
+        serving_key=directory / "apiserver.key",
+        sa_key=directory / "sa.key",
+        sa_pub=directory / "sa.pub",
+    )
+    files.ca_cert.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
+    _write_key(files.ca_key, ca_key)
+    files.serving_cert.write_bytes(serving_cert.public_bytes(serialization.Encoding.PEM))
+    _write_key(files.serving_key, serving_key)
+    _write_key(files.sa_key, sa_key)
+    files.sa_pub.write_bytes(
+        sa_key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+    )
+    return files

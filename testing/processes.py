@@ -1,0 +1,108 @@
+"""Child processes with a log file, their own process group and a clean stop.
+
+The control plane's binaries and the local kubelet's pods are both started
+this way: each one leads its own process group, so a stop reaches every
+process it spawned, and a Ctrl-C on the terminal does not kill them before
+their owner has torn them down in order.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+
+def log_tail(path: Path, max_bytes: int = 4000) -> str:
+    """The last `max_bytes` of a log file, or a note when it does not exist."""
+    try:
+        with path.open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - max_bytes))
+            return f.read().decode("utf-8", errors="replace")
+    except FileNotFoundError:
+        return f"(no log at {path})"
+
+
+class ManagedProcess:
+    """One child process whose stdout and stderr are appended to `log_path`."""
+
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        log_path: Path,
+        env: Mapping[str, str] | None = None,
+        cwd: Path | str | None = None,
+    ) -> None:
+        if not argv:
+            raise ValueError(f"{name}: empty command")
+        self.name = name
+        self.log_path = log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with log_path.open("ab") as log:
+            # process_group=0: the child leads a new group (see the module doc).
+            self.popen = subprocess.Popen(
+                list(argv),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=dict(env) if env is not None else None,
+                cwd=cwd,
+                process_group=0,
+            )
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def poll(self) -> int | None:
+        """The exit code, or None while it runs."""
+        return self.popen.poll()
+
+    def tail(self, max_bytes: int = 4000) -> str:
+        return log_tail(self.log_path, max_bytes)
+
+    def signal_group(self, sig: signal.Signals) -> None:
+        """Send `sig` to the whole process group (a no-op once it is gone)."""
+        try:
+            os.killpg(self.popen.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def reap(self) -> int:
+        """After the leader exited: kill what it left in its group and collect its code."""
+        self.signal_group(signal.SIGKILL)
+        return self.popen.wait(timeout=30)
+
+    def stop(self, grace_s: float = 10.0) -> int:
+        """SIGTERM the group, wait up to `grace_s`, then SIGKILL; returns the exit code."""
+        if self.popen.poll() is None:
+            self.signal_group(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=max(grace_s, 0.0))
+            except subprocess.TimeoutExpired:
+                pass
+        # NOTE: the leader may have exited while children it forked still run
+        # in its group; SIGKILL the group unconditionally so none is left.
+        self.signal_group(signal.SIGKILL)
+        code = self.popen.wait(timeout=30)
+        _wait_group_gone(self.popen.pid, timeout_s=5.0)
+        return code
+
+
+def _wait_group_gone(pgid: int, timeout_s: float) -> None:
+    """Wait until no process is left in group `pgid` (reaped or not ours)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        except PermissionError:
+            return
+        time.sleep(0.05)
