@@ -1,0 +1,253 @@
+"""The synchronous engine: requests in, one step at a time, outputs out.
+
+One request's life:
+1. `add_request` validates it and queues it (WAITING).
+2. `step` schedules it, runs its prompt (in chunks if long) through the
+   model, and samples a token once the prompt is done (RUNNING).
+3. Each later step decodes one token; `_postprocess` appends it, updates the
+   text and checks the stop conditions.
+4. A stop condition, `max_tokens`, the context length or `abort_request`
+   finishes it and frees its blocks; its last output says why.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Set
+from typing import TYPE_CHECKING
+
+from disagg.workers.engine.block_manager import BlockManager
+from disagg.workers.engine.config import EngineConfig
+from disagg.workers.engine.kv_cache import KVCache, KVCacheSpec, resolve_num_blocks
+from disagg.workers.engine.model_runner import ModelRunner, SampledToken
+from disagg.workers.engine.outputs import RequestOutput
+from disagg.workers.engine.request import Request, RequestStatus
+from disagg.workers.engine.sampling_params import SamplingParams
+from disagg.workers.engine.scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from disagg.workers.engine.loader import LoadedModel
+    from disagg.workers.engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel, tokenizer: Tokenizer | None = None) -> None:
+        self.config = config
+        self.model_config = loaded.config
+        self.tokenizer = tokenizer
+        device = config.torch_device
+
+        # --- KV pool ------------------------------------------------------
+        spec = KVCacheSpec(
+            num_layers=loaded.config.num_layers,
+            num_kv_heads=loaded.config.num_kv_heads,
+            head_dim=loaded.config.head_dim,
+            block_size=config.block_size,
+            dtype=config.torch_dtype,
+        )
+        self.kv_cache = KVCache(spec, resolve_num_blocks(config, spec, device), device)
+        max_len = config.resolve_max_model_len(loaded.config.max_model_len)
+        pool_tokens = self.kv_cache.num_blocks * config.block_size
+        if pool_tokens < max_len:
+            # A sequence longer than the pool could never finish, however much we preempt.
+            logger.warning("KV pool holds %d tokens: max_model_len lowered from %d", pool_tokens, max_len)
+            max_len = pool_tokens
+        self.max_model_len = max_len
+
+        # --- scheduling and execution ---------------------------------------
+        self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.model_runner = ModelRunner(loaded.model, self.kv_cache, loaded.config.vocab_size, device, config.seed)
+        eos = set(loaded.config.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else ())
+        self.stop_checker = StopChecker(frozenset(eos), self.max_model_len)
+        self._aborted: list[Request] = []  # reported by the next step
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLMEngine:
+        """Load the model and its tokenizer, then build the engine."""
+        from disagg.workers.engine.loader import load_model
+        from disagg.workers.engine.tokenizer import Tokenizer
+
+        loaded = load_model(config.model, config.torch_dtype, config.torch_device)
+        return cls(config, loaded, Tokenizer.from_dir(loaded.model_dir))
+
+    # --- requests -----------------------------------------------------------
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError when the request can never run. Reads only fixed
+        settings, so any thread may call it."""
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(prompt_token_ids)} tokens; this model's context holds "
+                f"{self.max_model_len}, including at least one generated token"
+            )
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this engine has none")
+        if any(not s for s in params.stop):
+            raise ValueError("stop strings must not be empty")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.check_request(prompt_token_ids, params)
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        detokenizer = None
+        if self.tokenizer is not None:
+            detokenizer = self.tokenizer.detokenizer(prompt_token_ids, params.skip_special_tokens)
+        request = Request(
+            request_id, prompt_token_ids, params, self.config.block_size, detokenizer,
+            device=self.model_runner.device,
+        )
+        self.scheduler.add(request)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Cancel a request and free its blocks; its final output comes with the
+        next step. False when the request is unknown or already finished."""
+        request = self.scheduler.abort(request_id)
+        if request is None:
+            return False
+        self._aborted.append(request)
+        return True
+
+    # --- the loop -----------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        sampled = self.model_runner.execute(scheduled)
+        self.scheduler.update(scheduled)
+        return self._postprocess(sampled)
+
+    def _postprocess(self, sampled: list[SampledToken]) -> list[RequestOutput]:
+        outputs = [self._output(r) for r in self._aborted]
+        self._aborted.clear()
+        for token in sampled:
+            request = token.request
+            request.append_token(token.token_id)
+            if token.logprob is not None:
+                request.pending_logprobs.append(token.logprob)
+            status = self.stop_checker.check(request)
+            if status is not None:
+                self.scheduler.finish(request, status)
+            outputs.append(self._output(request))
+        return outputs
+
+    def _output(self, request: Request) -> RequestOutput:
+        """The request's delta since its previous output."""
+        new_tokens = request.output_token_ids[request.num_sent_tokens :]
+        visible = self.stop_checker.num_visible_chars(request)
+        new_text = request.output_text[request.num_sent_chars : visible]
+        logprobs = list(request.pending_logprobs) if request.sampling_params.logprobs is not None else None
+        request.num_sent_tokens = request.num_output_tokens
+        request.num_sent_chars = max(request.num_sent_chars, visible)
+        request.pending_logprobs.clear()
+        finished = request.is_finished
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=new_tokens,
+            new_text=new_text,
+            finished=finished,
+            finish_reason=request.status.value if finished else None,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+            new_logprobs=logprobs,
+            stop_reason=request.stop_reason,
+        )
+
+    # --- state --------------------------------------------------------------
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests or bool(self._aborted)
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_manager.num_free_blocks
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.block_manager.num_blocks
+
+    def check_integrity(self) -> None:
+        """Assert the block pool's invariants (cheap enough to run when idle)."""
+        self.block_manager.check_integrity(self.scheduler.running)
+
+
+class StopChecker:
+    """Decides whether a request is done after its newest token, and how much
+    of its text may go out now."""
+
+    def __init__(self, eos_token_ids: Set[int], max_model_len: int) -> None:
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+
+    def check(self, request: Request) -> RequestStatus | None:
+        """Take in the newest token: its text, then the stop conditions.
+        Returns the finished status, or None to go on."""
+        params = request.sampling_params
+        token = request.last_token_id
+        # Stop and end-of-sequence tokens finish the request without adding text.
+        if token in params.stop_token_ids:
+            request.stop_reason = token
+            status: RequestStatus | None = RequestStatus.FINISHED_STOPPED
+        elif not params.ignore_eos and token in self.eos_token_ids:
+            status = RequestStatus.FINISHED_STOPPED
+        else:
+            if request.detokenizer is not None and self._add_text(request, request.detokenizer.add([token])):
+                return RequestStatus.FINISHED_STOPPED
+            too_long = request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len
+            status = RequestStatus.FINISHED_LENGTH if too_long else None
+        if status is not None and request.detokenizer is not None:
+            # Nothing will complete a held-back partial character any more.
+            if self._add_text(request, request.detokenizer.flush()):
+                return RequestStatus.FINISHED_STOPPED
+        return status
+
+    def num_visible_chars(self, request: Request) -> int:
+        """Length of the text prefix that may go out: all of it once finished,
+        else all but the longest tail that could begin a stop string."""
+        text, stops = request.output_text, request.sampling_params.stop
+        if request.is_finished or not stops:
+            return len(text)
+        hold = 0
+        for stop in stops:
+            for k in range(min(len(stop) - 1, len(text)), hold, -1):
+                if text.endswith(stop[:k]):
+                    hold = k
+                    break
+        return len(text) - hold
+
+    @staticmethod
+    def _add_text(request: Request, delta: str) -> bool:
+        """Append text; on a stop string, cut the text before it and return True."""
+        if not delta:
+            return False
+        old_len = len(request.output_text)
+        text = request.output_text + delta
+        stops = request.sampling_params.stop
+        if stops:
+            # A match may begin in the held-back tail of the old text.
+            start = max(0, old_len - max(len(s) for s in stops) + 1)
+            hits = [(i, s) for s in stops if (i := text.find(s, start)) >= 0]
+            if hits:
+                index, stop = min(hits)
+                request.output_text = text[:index]
+                request.stop_reason = stop
+                return True
+        request.output_text = text
+        return False

@@ -1,0 +1,97 @@
+"""Turn a scheduled step into model inputs, run the model, sample.
+
+Input preparation works per request (slices of token lists), never per
+token: positions and slots come from a few tensor ops over the whole step.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from disagg.workers.engine.forward_batch import ForwardBatch
+from disagg.workers.engine.kv_cache import KVCache
+from disagg.workers.engine.models import CausalLM
+from disagg.workers.engine.outputs import TokenLogprob
+from disagg.workers.engine.request import Request
+from disagg.workers.engine.sampler import Sampler, SamplingMetadata
+from disagg.workers.engine.scheduler import SchedulerOutput
+
+
+@dataclass
+class SampledToken:
+    request: Request
+    token_id: int
+    logprob: TokenLogprob | None
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, kv_cache: KVCache, vocab_size: int, device: torch.device, seed: int = 0) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.vocab_size = vocab_size
+        self.device = device
+        self.block_size = kv_cache.spec.block_size
+        self.sampler = Sampler(device, seed)
+
+    def execute(self, scheduled: SchedulerOutput) -> list[SampledToken]:
+        """Run one step; a token for each request whose prompt (or recompute)
+        is complete after it. Call before the scheduler's `update`."""
+        if scheduled.is_empty:
+            return []
+        sample_mask = scheduled.sample_mask
+        batch = self.prepare(scheduled, sample_mask)
+        logits = self.run_model(batch)  # [N, vocab]
+        requests = [r for r, samples in zip(scheduled.requests, sample_mask) if samples]
+        if not requests:
+            return []
+        meta = SamplingMetadata.from_requests(requests, self.vocab_size, self.device)
+        out = self.sampler(logits, meta)
+        return [SampledToken(r, t, lp) for r, t, lp in zip(requests, out.token_ids, out.logprobs)]
+
+    @torch.inference_mode()
+    def run_model(self, batch: ForwardBatch) -> torch.Tensor:
+        """The hot step, tensors in and out: float32 logits [N, vocab] of the
+        rows in `batch.logits_indices`."""
+        hidden = self.model(batch, self.kv_cache.tensor)  # [T, hidden]
+        return self.model.compute_logits(hidden[batch.logits_indices])
+
+    def prepare(self, scheduled: SchedulerOutput, sample_mask: list[bool]) -> ForwardBatch:
+        requests, query_lens = scheduled.requests, scheduled.num_new_tokens
+        starts = [r.num_computed_tokens for r in requests]  # [B] first new position
+        if all(n == 1 for n in query_lens):
+            ids = [r.token_ids[s] for r, s in zip(requests, starts)]
+        else:
+            ids = list(itertools.chain.from_iterable(
+                r.token_ids[s : s + n] for r, s, n in zip(requests, starts, query_lens)
+            ))
+        width = max(len(r.block_table) for r in requests)
+        tables = [r.block_table + [0] * (width - len(r.block_table)) for r in requests]
+
+        # Built on the CPU, moved once: [B] and [T] index tensors.
+        q = torch.tensor(query_lens, dtype=torch.int64)
+        start = torch.tensor(starts, dtype=torch.int64)
+        block_tables = torch.tensor(tables, dtype=torch.int32)  # [B, max_blocks]
+        cu_q = torch.cumsum(q, 0)  # [B] end of each sequence's rows
+        if len(ids) == len(requests):
+            seq_of_token = torch.arange(len(requests))
+            positions = start
+        else:
+            seq_of_token = torch.repeat_interleave(torch.arange(len(requests)), q)  # [T]
+            positions = torch.arange(len(ids)) - (cu_q - q)[seq_of_token] + start[seq_of_token]
+        blocks = block_tables[seq_of_token, positions // self.block_size].to(torch.int64)
+        slot_mapping = blocks * self.block_size + positions % self.block_size
+        logits_indices = (cu_q - 1)[torch.tensor(sample_mask, dtype=torch.bool)]
+
+        device = self.device
+        return ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.int64).to(device),
+            positions=positions.to(device),
+            slot_mapping=slot_mapping.to(device),
+            query_lens=list(query_lens),
+            context_lens=(start + q).to(torch.int32).to(device),
+            block_tables=block_tables.to(device),
+            logits_indices=logits_indices.to(device),
+        )

@@ -1,0 +1,34 @@
+"""What the engine reports about a request after each step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """Log probability of a sampled token and its top alternatives."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), most likely first
+
+
+@dataclass
+class RequestOutput:
+    """The delta of one request since its previous output.
+
+    `new_text` is safe to stream: it never ends in a partial UTF-8 character
+    and never contains (the start of) a stop string.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None  # "stop", "length" or "abort" once finished
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    new_logprobs: list[TokenLogprob] | None = None
+    stop_reason: int | str | None = field(default=None)  # the stop token id or string that matched
