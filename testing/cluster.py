@@ -5,8 +5,10 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
+from typing import TypeVar
 
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
@@ -14,6 +16,8 @@ from kubernetes.client.exceptions import ApiException
 from disagg.testing.binaries import Binaries, find_binaries
 from disagg.testing.controlplane import ControlPlane
 from disagg.testing.kubelet import LocalKubelet
+
+T = TypeVar("T")
 
 
 class LocalCluster:
@@ -98,14 +102,26 @@ def create_namespace(core: client.CoreV1Api, name: str, timeout_s: float = 60.0)
     controller has created that account, a moment after the namespace.
     """
     core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)), _request_timeout=10)
-    deadline = time.monotonic() + timeout_s
-    while True:
+
+    def has_account() -> bool:
         try:
             core.read_namespaced_service_account("default", name, _request_timeout=10)
-            return
         except ApiException as e:
             if e.status != 404:
                 raise
+            return False
+        return True
+
+    wait_until(has_account, timeout_s, f"the default ServiceAccount of namespace {name}")
+
+
+def wait_until(check: Callable[[], T | None], timeout_s: float, what: str, interval_s: float = 0.2) -> T:
+    """Poll `check` until it returns something other than None or False; TimeoutError names `what`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = check()
+        if result is not None and result is not False:
+            return result
         if time.monotonic() > deadline:
-            raise TimeoutError(f"namespace {name}: no default ServiceAccount after {timeout_s:.0f} s")
-        time.sleep(0.2)
+            raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(interval_s)
