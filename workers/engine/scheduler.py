@@ -55,6 +55,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0  # lifetime counter, for metrics
 
     @property
     def num_waiting(self) -> int:
@@ -152,6 +153,7 @@ class Scheduler:
         self.block_manager.free(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self.num_preemptions += 1
         request.status = RequestStatus.WAITING
         # Victims are taken newest first, so the oldest ends up at the front.
         self.waiting.appendleft(request)

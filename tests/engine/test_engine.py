@@ -1,0 +1,243 @@
+"""The whole engine on tiny random models: against transformers, and against
+itself under chunking, preemption, prefix caching and batching."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from disagg.workers.engine.config import EngineConfig
+from disagg.workers.engine.llm_engine import LLMEngine
+from disagg.workers.engine.outputs import RequestOutput
+from disagg.workers.engine.sampling_params import SamplingParams
+
+torch.set_num_threads(2)
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+MakeEngine = Callable[..., LLMEngine]
+
+
+@dataclass
+class Result:
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    outputs: list[RequestOutput] = field(default_factory=list)
+
+    @property
+    def final(self) -> RequestOutput:
+        return self.outputs[-1]
+
+
+def prompts(n: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 300) for _ in range(lengths[i % len(lengths)])] for i in range(n)]
+
+
+def run(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]]) -> list[Result]:
+    """Submit all requests at once and step until every one finishes."""
+    results = {f"r{i}": Result() for i in range(len(requests))}
+    for (rid, _), (prompt, params) in zip(results.items(), requests):
+        engine.add_request(rid, prompt, params)
+    steps = 0
+    while engine.has_unfinished_requests:
+        for out in engine.step():
+            result = results[out.request_id]
+            assert not (result.outputs and result.final.finished), "output after the final one"
+            result.token_ids += out.new_token_ids
+            result.text += out.new_text
+            result.outputs.append(out)
+        steps += 1
+        assert steps < 2000, "the engine made no progress"
+    engine.check_integrity()
+    return list(results.values())
+
+
+def tokens(results: list[Result]) -> list[list[int]]:
+    return [r.token_ids for r in results]
+
+
+@pytest.fixture
+def make_engine(tiny_model: Callable[..., Path]) -> Iterator[MakeEngine]:
+    """Builds engines on a tiny model; after the test, each one's pool is whole again."""
+    engines: list[tuple[LLMEngine, int]] = []
+
+    def make(family: str = "llama", **overrides: object) -> LLMEngine:
+        settings: dict[str, object] = dict(device="cpu", dtype="float32", block_size=4, num_kv_blocks=128)
+        settings.update(overrides)
+        engine = LLMEngine.from_config(EngineConfig(model=str(tiny_model(family)), **settings))  # type: ignore[arg-type]
+        engines.append((engine, engine.num_free_blocks))
+        return engine
+
+    yield make
+    for engine, free_at_start in engines:
+        assert not engine.has_unfinished_requests
+        engine.check_integrity()
+        assert engine.num_free_blocks == free_at_start == engine.num_total_blocks
+
+
+# --- against transformers ------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_greedy_equals_transformers_generate(family: str, make_engine: MakeEngine, tiny_model: Callable[..., Path]) -> None:
+    import transformers
+
+    # Lengths at and around the block size (4) and its multiples.
+    batch = prompts(6, [3, 4, 5, 8, 9, 17], seed=1)
+    engine = make_engine(family)
+    ours = tokens(run(engine, [(p, GREEDY) for p in batch]))
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_model(family), dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None  # the engine ignores eos here too
+    for prompt, got in zip(batch, ours):
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([prompt]), max_new_tokens=GREEDY.max_tokens, do_sample=False,
+                              pad_token_id=0)
+        assert got == out[0, len(prompt):].tolist()
+
+
+# --- the engine against itself ------------------------------------------------------
+
+
+def test_concurrent_batch_equals_one_at_a_time(make_engine: MakeEngine) -> None:
+    batch = prompts(7, [1, 6, 13, 4, 21, 2, 9], seed=2)
+    engine = make_engine()
+    together = tokens(run(engine, [(p, GREEDY) for p in batch]))
+    alone = [tokens(run(engine, [(p, GREEDY)]))[0] for p in batch]
+    assert together == alone
+
+
+def test_chunked_prefill_gives_identical_outputs(make_engine: MakeEngine) -> None:
+    batch = prompts(3, [30, 23, 11], seed=3)
+    whole = tokens(run(make_engine(), [(p, GREEDY) for p in batch]))
+    chunked_engine = make_engine(max_num_batched_tokens=7)
+    chunked = run(chunked_engine, [(p, GREEDY) for p in batch])
+    assert tokens(chunked) == whole
+    # The longest prompt really came in several chunks: no output until it was done.
+    assert chunked[0].outputs[0].num_output_tokens == 1
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_preemption_and_recompute_give_identical_outputs(make_engine: MakeEngine, prefix_caching: bool) -> None:
+    batch = prompts(5, [10, 7, 12, 5, 9], seed=4)
+    params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+    roomy = tokens(run(make_engine(), [(p, params) for p in batch]))
+    tight = make_engine(num_kv_blocks=16, enable_prefix_caching=prefix_caching)
+    assert tokens(run(tight, [(p, params) for p in batch])) == roomy
+    assert tight.scheduler.num_preemptions > 0, "the pool was meant to be too small"
+
+
+def test_prefix_cache_hits_share_blocks_and_keep_outputs(make_engine: MakeEngine) -> None:
+    shared = prompts(1, [16], seed=5)[0]
+    batch = [shared + tail for tail in prompts(3, [3, 5, 1], seed=6)]
+    reference = tokens(run(make_engine(enable_prefix_caching=False), [(p, GREEDY) for p in batch]))
+
+    engine = make_engine()
+    first = run(engine, [(batch[0], GREEDY)])
+    rest = run(engine, [(p, GREEDY) for p in batch[1:]])
+    assert tokens(first + rest) == reference
+    assert first[0].final.num_cached_tokens == 0
+    assert [r.final.num_cached_tokens for r in rest] == [16, 16]
+    assert engine.block_manager.num_cache_hit_blocks == 8
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(make_engine: MakeEngine) -> None:
+    prompt = prompts(1, [6], seed=7)[0]
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=10, seed=1234, ignore_eos=True)
+    engine = make_engine()
+    alone = tokens(run(engine, [(prompt, seeded)]))[0]
+    noise = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)
+    mixed = run(engine, [(p, noise) for p in prompts(3, [4, 9], seed=8)] + [(prompt, seeded)])
+    assert mixed[-1].token_ids == alone
+    other_seed = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=10, seed=4321, ignore_eos=True)
+    assert tokens(run(engine, [(prompt, other_seed)]))[0] != alone
+
+
+# --- finishing --------------------------------------------------------------------
+
+
+def test_abort_at_any_point_frees_blocks(make_engine: MakeEngine) -> None:
+    engine = make_engine(max_num_batched_tokens=8, max_num_seqs=2)
+    params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+    for i, prompt in enumerate(prompts(3, [20, 5, 5], seed=9)):
+        engine.add_request(f"r{i}", prompt, params)
+    engine.step()  # r0 mid-prefill, r1 admitted, r2 waiting
+    assert engine.scheduler.requests["r0"].is_prefill
+    engine.step()
+    engine.step()
+    for rid in ("r0", "r1", "r2"):
+        assert engine.abort_request(rid)
+    assert not engine.abort_request("r0")
+    outputs = engine.step()
+    assert sorted(o.request_id for o in outputs) == ["r0", "r1", "r2"]
+    assert all(o.finished and o.finish_reason == "abort" for o in outputs)
+    assert not engine.has_unfinished_requests
+    assert engine.num_free_blocks == engine.num_total_blocks
+
+
+def test_stop_strings_cut_the_text_and_never_leak(make_engine: MakeEngine) -> None:
+    engine = make_engine()
+    prompt = engine.tokenizer.encode("The capital of France is")  # type: ignore[union-attr]
+    free_run = run(engine, [(prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))])[0]
+    text = free_run.text
+    assert len(text) > 6, f"need some text to cut: {text!r}"
+    stop = text[3:6]
+    cut_at = text.index(stop)
+    stopped = run(engine, [(prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
+                                                   stop=(stop, "\u2603never")))])[0]
+    assert stopped.text == text[:cut_at]
+    assert stopped.final.finish_reason == "stop" and stopped.final.stop_reason == stop
+    # No streamed delta ever held text past the cut.
+    assert all(stop not in o.new_text for o in stopped.outputs)
+
+
+def test_stop_token_ids_and_max_tokens(make_engine: MakeEngine) -> None:
+    engine = make_engine()
+    prompt = prompts(1, [5], seed=10)[0]
+    free_run = run(engine, [(prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))])[0]
+    assert len(free_run.token_ids) == 6 and free_run.final.finish_reason == "length"
+    stop_id = free_run.token_ids[2]
+    first = free_run.token_ids.index(stop_id)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, stop_token_ids=(stop_id,))
+    stopped = run(engine, [(prompt, params)])[0]
+    assert stopped.token_ids == free_run.token_ids[: first + 1]
+    assert stopped.final.finish_reason == "stop" and stopped.final.stop_reason == stop_id
+
+
+def test_context_length_finishes_with_length(make_engine: MakeEngine) -> None:
+    engine = make_engine(max_model_len=12)
+    result = run(engine, [(prompts(1, [9])[0], SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))])[0]
+    assert len(result.token_ids) == 3 and result.final.finish_reason == "length"
+
+
+def test_logprobs_are_reported_for_every_token(make_engine: MakeEngine) -> None:
+    engine = make_engine()
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=3)
+    result = run(engine, [(prompts(1, [7])[0], params)])[0]
+    logprobs = [lp for o in result.outputs for lp in (o.new_logprobs or [])]
+    assert [lp.token_id for lp in logprobs] == result.token_ids
+    for lp in logprobs:
+        assert len(lp.top) == 3
+        # Greedy: the sampled token is the most likely one.
+        assert lp.top[0][0] == lp.token_id and lp.top[0][1] == pytest.approx(lp.logprob)
+        assert lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1]
+
+
+def test_bad_requests_are_refused_with_clear_errors(make_engine: MakeEngine) -> None:
+    engine = make_engine(max_model_len=16)
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("a", [], GREEDY)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request("a", [1, 10**6], GREEDY)
+    with pytest.raises(ValueError, match="context"):
+        engine.add_request("a", list(range(3, 19)), GREEDY)
+    engine.add_request("a", [5, 6], GREEDY)
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("a", [5, 6], GREEDY)
+    assert engine.abort_request("a")
+    engine.step()
