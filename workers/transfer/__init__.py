@@ -5,6 +5,8 @@ The CLI's `--kv-transport` choices come from `TRANSPORTS`.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from disagg.workers.transfer.base import (
@@ -25,12 +27,16 @@ TRANSPORTS: dict[str, type[KVTransport]] = {
 
 
 def create_transport(
-    name: str, pool: torch.Tensor, layout: KVLayout, instance_name: str, grpc_address: str
+    name: str, pool: torch.Tensor, layout: KVLayout, instance_name: str, grpc_address: str, **options: Any
 ) -> KVTransport:
-    """Build the transport registered as `name` over `pool` (not started yet)."""
+    """Build the transport registered as `name` over `pool` (not started yet).
+
+    Args:
+        options: passed to the transport, e.g. `num_connections`, `io_timeout`.
+    """
     if name not in TRANSPORTS:
         raise ValueError(f"unknown KV transport {name!r}; choose one of {sorted(TRANSPORTS)}")
-    return TRANSPORTS[name](pool, layout, instance_name, grpc_address)
+    return TRANSPORTS[name](pool, layout, instance_name, grpc_address, **options)
 
 
 __all__ = [

@@ -20,7 +20,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
-from disagg.workers.transfer.base import KVLayout, PeerInfo, TransferError
+from disagg.workers.transfer.base import KVLayout, PeerInfo, TransferError, TransferTimeout
 from disagg.workers.transfer.wire import recv_exact
 
 MAGIC = b"DKVH"
@@ -124,7 +124,7 @@ def _recv(sock: socket.socket, kind: int, timeout: float) -> dict[str, Any]:
             raise HandshakeError(f"unexpected handshake message kind {got_kind} of {length} bytes")
         body = json.loads(recv_exact(sock, length))
     except socket.timeout as exc:
-        raise HandshakeError(f"no handshake within {timeout:.1f}s") from exc
+        raise TransferTimeout(f"no handshake within {timeout:.1f}s") from exc
     except (ConnectionError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise HandshakeError(f"broken handshake: {exc}") from exc
     if not isinstance(body, dict):

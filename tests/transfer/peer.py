@@ -1,0 +1,58 @@
+"""A transfer peer in its own process, driven by line commands on stdin.
+
+    python peer.py listen  --layout JSON --name NAME [--seed N] [--connections N]
+    python peer.py connect --layout JSON --name NAME --address HOST:PORT [--seed N] [--connections N]
+
+Prints "ready HOST:PORT" (listen) or "linked PEER" (connect), then obeys
+"dump PATH" (save the pool, answer "dumped") and "quit".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from disagg.workers.transfer import KVLayout, create_transport
+
+
+def seeded_pool(layout: KVLayout, seed: int) -> torch.Tensor:
+    """The pool a peer with `seed` starts with (seed 0: all zeros)."""
+    if seed == 0:
+        return torch.zeros(layout.shape, dtype=layout.torch_dtype)
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(layout.shape, generator=generator).to(layout.torch_dtype)
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["listen", "connect"])
+    parser.add_argument("--layout", required=True)
+    parser.add_argument("--name", required=True)
+    parser.add_argument("--address", default="")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--connections", type=int, default=2)
+    args = parser.parse_args()
+    layout = KVLayout.from_dict(json.loads(args.layout))
+    pool = seeded_pool(layout, args.seed)
+    transport = create_transport("tcp", pool, layout, args.name, args.name, num_connections=args.connections)
+    if args.mode == "listen":
+        print("ready", transport.start("127.0.0.1", 0), flush=True)
+    else:
+        session = transport.connect(args.address, timeout=10.0)
+        print("linked", session.peer.name, flush=True)
+    for line in sys.stdin:
+        command, _, arg = line.strip().partition(" ")
+        if command == "dump":
+            torch.save(pool, arg)
+            print("dumped", flush=True)
+        elif command == "quit":
+            break
+    transport.close()
+
+
+if __name__ == "__main__":
+    main()
