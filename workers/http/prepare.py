@@ -11,10 +11,10 @@ from typing import Any
 from jinja2 import TemplateError
 
 from disagg.workers.engine.sampling_params import SamplingParams
+from disagg.workers.engine.tokenizer import Tokenizer
 from disagg.workers.http.backend import ModelInfo
 from disagg.workers.http.errors import BadRequest, ModelNotFound
 from disagg.workers.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from disagg.workers.engine.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -132,4 +132,6 @@ def _sampling_params(
             **{k: v for k, v in optional.items() if v is not None},
         )
     except ValueError as exc:
-        raise BadRequest(str(exc)) from exc
+        # SamplingParams words each problem as "<field> must ...".
+        field = str(exc).split(" ", 1)[0]
+        raise BadRequest(str(exc), field if field in SamplingParams.__dataclass_fields__ else None) from exc

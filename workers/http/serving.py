@@ -16,6 +16,7 @@ from pydantic import BaseModel
 from disagg.workers.engine.outputs import RequestOutput, TokenLogprob
 from disagg.workers.engine.tokenizer import Tokenizer
 from disagg.workers.http.backend import Backend
+from disagg.workers.http.errors import APIError, BadRequest
 from disagg.workers.http.fanout import ClientDisconnected, stream_choices
 from disagg.workers.http.prepare import Prepared
 from disagg.workers.http.protocol import (
@@ -124,6 +125,9 @@ class Server:
         except (ClientDisconnected, GeneratorExit, asyncio.CancelledError):
             status = RequestStatus.ABORTED
             raise
+        except ValueError as exc:  # the backend refused the request: the client's mistake
+            status = RequestStatus.REJECTED
+            raise BadRequest(str(exc)) from exc
         finally:
             self._record(call, choices, status)
 
@@ -195,7 +199,9 @@ class Server:
                     yield _sse(CompletionResponse(id=call.request_id, model=call.model_name, choices=[], usage=usage))
         except ClientDisconnected:
             return
-        except Exception as exc:  # the status line is already sent: report in band
+        except APIError as exc:  # the status line is already sent: report in band
+            yield _sse(ErrorResponse(error=ErrorInfo(message=exc.message, type=exc.type, code=exc.status)))
+        except Exception as exc:
             log.exception("streamed request %s failed", call.request_id)
             info = ErrorInfo(message=f"internal error: {type(exc).__name__}: {exc}", type="server_error", code=500)
             yield _sse(ErrorResponse(error=info))

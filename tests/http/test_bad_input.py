@@ -1,0 +1,149 @@
+"""Bad input gets a 4xx OpenAI-shaped error; the worker keeps serving, and no
+request, finished, refused or abandoned, keeps KV blocks.
+
+`served` is conftest's ServedWorker (typed Any: conftest is not importable).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+LONG_TEXT = "Hello world! How are you today? " * 200  # far past the 512-token context
+SETTLE_TIMEOUT_S = 30.0
+
+
+def _completion(**fields: Any) -> dict[str, Any]:
+    return {"model": "tiny-llama", "prompt": "Hello", "max_tokens": 4, **fields}
+
+
+def _chat(**fields: Any) -> dict[str, Any]:
+    return {"model": "tiny-llama", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4, **fields}
+
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+NAN = float("nan")
+
+# (id, path, body as JSON text, words the message must contain)
+BAD_INPUTS = [
+    ("malformed-json", COMPLETIONS, '{"model": "tiny-llama", "prompt": ', "not valid JSON"),
+    ("malformed-json-chat", CHAT, "[1, 2", "not valid JSON"),
+    ("not-an-object", COMPLETIONS, "[1, 2, 3]", ""),
+    ("missing-prompt", COMPLETIONS, json.dumps({"model": "tiny-llama"}), "prompt"),
+    ("unknown-model", COMPLETIONS, json.dumps(_completion(model="gpt-17")), "gpt-17"),
+    ("unknown-model-chat", CHAT, json.dumps(_chat(model="gpt-17")), "gpt-17"),
+    ("empty-prompt", COMPLETIONS, json.dumps(_completion(prompt="")), "empty"),
+    ("empty-token-list", COMPLETIONS, json.dumps(_completion(prompt=[])), "empty"),
+    ("empty-messages", CHAT, json.dumps(_chat(messages=[])), "empty"),
+    ("negative-max-tokens", COMPLETIONS, json.dumps(_completion(max_tokens=-3)), "max_tokens"),
+    ("zero-max-tokens-chat", CHAT, json.dumps(_chat(max_tokens=0)), "max_tokens"),
+    ("huge-max-tokens", COMPLETIONS, json.dumps(_completion(max_tokens=10**12)), "max_tokens"),
+    ("huge-max-tokens-chat", CHAT, json.dumps(_chat(max_tokens=100000)), "max_tokens"),
+    ("temperature-too-high", COMPLETIONS, json.dumps(_completion(temperature=9.5)), "temperature"),
+    ("temperature-negative", CHAT, json.dumps(_chat(temperature=-1)), "temperature"),
+    ("temperature-nan", COMPLETIONS, json.dumps(_completion(temperature=NAN)), "temperature"),
+    ("top-p-too-high", COMPLETIONS, json.dumps(_completion(top_p=1.5)), "top_p"),
+    ("top-p-zero", CHAT, json.dumps(_chat(top_p=0)), "top_p"),
+    ("top-p-nan", CHAT, json.dumps(_chat(top_p=NAN)), "top_p"),
+    ("n-too-large", COMPLETIONS, json.dumps(_completion(n=1000)), "n must be"),
+    ("n-zero", CHAT, json.dumps(_chat(n=0)), "n must be"),
+    ("token-id-past-vocab", COMPLETIONS, json.dumps(_completion(prompt=[1, 2, 10**6])), "1000000"),
+    ("negative-token-id", COMPLETIONS, json.dumps(_completion(prompt=[5, -1])), "-1"),
+    ("prompt-past-context", COMPLETIONS, json.dumps(_completion(prompt=LONG_TEXT)), "context"),
+    ("messages-past-context", CHAT, json.dumps(_chat(messages=[{"role": "user", "content": LONG_TEXT}])), "context"),
+    ("logprobs-too-many", COMPLETIONS, json.dumps(_completion(logprobs=50)), "logprobs"),
+    ("top-logprobs-without-logprobs", CHAT, json.dumps(_chat(top_logprobs=2)), "logprobs"),
+    ("wrong-type", COMPLETIONS, json.dumps(_completion(max_tokens="many")), "max_tokens"),
+    ("prompt-batch", COMPLETIONS, json.dumps(_completion(prompt=["a", "b"])), "one prompt"),
+]
+
+
+@pytest.fixture(scope="module")
+def baseline_free_blocks(served: Any) -> Iterator[Callable[[], float]]:
+    """The free-block count before this module's tests; checked again after them."""
+
+    def read() -> float:
+        text = httpx.get(f"{served.base_url}/metrics", timeout=10.0).text
+        return float(next(line.split()[1] for line in text.splitlines() if line.startswith("disagg_kv_blocks_free ")))
+
+    start = read()
+    assert start > 0
+    yield read
+    assert _settle(read, start) == start, "KV blocks leaked: the free count did not return to its start"
+
+
+def _settle(read: Callable[[], float], target: float) -> float:
+    """Poll until the free count reaches `target` (aborts finish asynchronously), bounded."""
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    value = read()
+    while value != target and time.monotonic() < deadline:
+        time.sleep(0.1)
+        value = read()
+    return value
+
+
+def _assert_openai_error(response: httpx.Response, words: str) -> dict[str, Any]:
+    assert 400 <= response.status_code < 500, (response.status_code, response.text)
+    error = response.json()["error"]
+    assert set(error) >= {"message", "type", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    assert error["code"] == response.status_code
+    assert words.lower() in error["message"].lower(), error["message"]
+    return error
+
+
+@pytest.mark.parametrize(("path", "body", "words"), [case[1:] for case in BAD_INPUTS], ids=[c[0] for c in BAD_INPUTS])
+def test_bad_input_is_a_4xx_openai_error(
+    http: httpx.Client, baseline_free_blocks: Callable[[], float], path: str, body: str, words: str
+) -> None:
+    response = http.post(path, content=body, headers={"content-type": "application/json"})
+    _assert_openai_error(response, words)
+    # ...and the worker still serves.
+    ok = http.post(COMPLETIONS, json=_completion(temperature=0))
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def test_unknown_model_is_404(http: httpx.Client) -> None:
+    response = http.post(COMPLETIONS, json=_completion(model="nope"))
+    assert response.status_code == 404
+    assert _assert_openai_error(response, "nope")["type"] == "model_not_found"
+
+
+def test_unknown_route_is_an_openai_404(http: httpx.Client) -> None:
+    _assert_openai_error(http.get("/v1/nothing-here"), "not found")
+
+
+def test_disconnected_stream_frees_its_blocks(
+    served: Any, http: httpx.Client, baseline_free_blocks: Callable[[], float]
+) -> None:
+    start = baseline_free_blocks()
+    body = _completion(prompt="Hello world! " * 8, max_tokens=400, n=2, stream=True, temperature=0, ignore_eos=True)
+    with httpx.Client(base_url=served.base_url, timeout=60.0) as streamer:
+        with streamer.stream("POST", COMPLETIONS, json=body) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data: ")).startswith("data: {")
+        # Leaving the block closes the connection mid-stream.
+    assert _settle(baseline_free_blocks, start) == start
+    running = http.get("/metrics").text
+    assert "\ndisagg_requests_running 0.0" in running
+    assert 'disagg_requests_total{role="mixed",status="aborted"}' in running
+
+
+def test_disconnected_whole_request_frees_its_blocks(
+    served: Any, baseline_free_blocks: Callable[[], float]
+) -> None:
+    start = baseline_free_blocks()
+    body = _completion(max_tokens=500, temperature=0, ignore_eos=True)
+    # A client that gives up long before 500 tokens on a CPU are done.
+    with httpx.Client(base_url=served.base_url, timeout=httpx.Timeout(60.0, read=0.3)) as impatient:
+        with pytest.raises(httpx.ReadTimeout):
+            impatient.post(COMPLETIONS, json=body)
+    assert _settle(baseline_free_blocks, start) == start
