@@ -1,0 +1,111 @@
+#!/usr/bin/env bash
+# Builds the binaries the end-to-end tests run: kube-apiserver and
+# kube-controller-manager (k8s.io/kubernetes), etcd (go.etcd.io/etcd/server/v3)
+# and helm (helm.sh/helm/v3), from their Go modules, into a cache outside the
+# repository. Rebuilds only what is missing. Prints the binary folder last.
+#
+# KUBEBUILDER_ASSETS, when it names a folder that already holds the three
+# control-plane binaries, is used as it is (envtest's convention).
+set -euo pipefail
+
+KUBE_VERSION=${KUBE_VERSION:-v1.36.3}
+STAGING_VERSION=${STAGING_VERSION:-v0.${KUBE_VERSION#v1.}}
+ETCD_VERSION=${ETCD_VERSION:-v3.6.16}
+# v3.22.0 is served by the module proxy here but not approved for use, so the
+# newest approved v3 release is the default.
+HELM_VERSION=${HELM_VERSION:-v3.21.4}
+CACHE=${DISAGG_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/disagg}
+BIN=${DISAGG_K8S_BIN:-$CACHE/k8s-$KUBE_VERSION-etcd-$ETCD_VERSION-helm-$HELM_VERSION/bin}
+WORK=$CACHE/gobuild
+export GOFLAGS="${GOFLAGS:--trimpath}" CGO_ENABLED=0
+
+log() { echo "[k8s-binaries] $*" >&2; }
+
+if [ -n "${KUBEBUILDER_ASSETS:-}" ] && [ -x "$KUBEBUILDER_ASSETS/kube-apiserver" ] \
+  && [ -x "$KUBEBUILDER_ASSETS/etcd" ]; then
+  BIN=$KUBEBUILDER_ASSETS
+fi
+mkdir -p "$BIN" "$WORK"
+
+# A wrapper module that requires k8s.io/kubernetes and points every staging
+# module (the repo's own replace => ./staging/...) at its published version.
+build_kube() {
+  local dir=$WORK/kube-$KUBE_VERSION
+  mkdir -p "$dir"
+  if [ ! -f "$dir/go.sum" ]; then
+    log "resolving k8s.io/kubernetes@$KUBE_VERSION"
+    local gomod
+    gomod=$(cd "$dir" && go mod download -json "k8s.io/kubernetes@$KUBE_VERSION" \
+      | sed -n 's/.*"GoMod": "\(.*\)".*/\1/p')
+    {
+      echo "module disagg.dev/kube-binaries"
+      echo
+      echo "go 1.26"
+      echo
+      echo "require k8s.io/kubernetes $KUBE_VERSION"
+      echo
+      echo "replace ("
+      sed -n 's#^\s*\(k8s.io/[a-z0-9-]*\) => ./staging/src/.*#\t\1 => \1 '"$STAGING_VERSION"'#p' "$gomod"
+      echo ")"
+    } >"$dir/go.mod"
+    cat >"$dir/tools.go" <<'GO'
+//go:build tools
+
+package tools
+
+import (
+	_ "k8s.io/kubernetes/cmd/kube-apiserver"
+	_ "k8s.io/kubernetes/cmd/kube-controller-manager"
+)
+GO
+    (cd "$dir" && go mod tidy)
+  fi
+  local major=${KUBE_VERSION#v}; major=${major%%.*}
+  local minor=${KUBE_VERSION#v*.}; minor=${minor%%.*}
+  local pkg=k8s.io/component-base/version
+  local ldflags="-s -w -X $pkg.gitVersion=$KUBE_VERSION -X $pkg.gitMajor=$major -X $pkg.gitMinor=$minor -X $pkg.gitTreeState=clean -X $pkg.buildDate=$(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  ldflags="$ldflags -X k8s.io/client-go/pkg/version.gitVersion=$KUBE_VERSION"
+  for cmd in kube-apiserver kube-controller-manager; do
+    if [ ! -x "$BIN/$cmd" ]; then
+      log "building $cmd $KUBE_VERSION"
+      (cd "$dir" && go build -ldflags "$ldflags" -o "$BIN/$cmd.tmp" "k8s.io/kubernetes/cmd/$cmd")
+      mv "$BIN/$cmd.tmp" "$BIN/$cmd"
+    fi
+  done
+}
+
+build_etcd() {
+  [ -x "$BIN/etcd" ] && return
+  local dir=$WORK/etcd-$ETCD_VERSION
+  mkdir -p "$dir"
+  if [ ! -f "$dir/go.sum" ]; then
+    printf 'module disagg.dev/etcd-binary\n\ngo 1.26\n\nrequire go.etcd.io/etcd/server/v3 %s\n' "$ETCD_VERSION" >"$dir/go.mod"
+    printf '//go:build tools\n\npackage tools\n\nimport _ "go.etcd.io/etcd/server/v3"\n' >"$dir/tools.go"
+    (cd "$dir" && go mod tidy)
+  fi
+  log "building etcd $ETCD_VERSION"
+  (cd "$dir" && go build -ldflags "-s -w" -o "$BIN/etcd.tmp" go.etcd.io/etcd/server/v3)
+  mv "$BIN/etcd.tmp" "$BIN/etcd"
+}
+
+build_helm() {
+  [ -x "$BIN/helm" ] && return
+  local dir=$WORK/helm-$HELM_VERSION
+  mkdir -p "$dir"
+  if [ ! -f "$dir/go.sum" ]; then
+    printf 'module disagg.dev/helm-binary\n\ngo 1.26\n\nrequire helm.sh/helm/v3 %s\n' "$HELM_VERSION" >"$dir/go.mod"
+    printf '//go:build tools\n\npackage tools\n\nimport _ "helm.sh/helm/v3/cmd/helm"\n' >"$dir/tools.go"
+    (cd "$dir" && go mod tidy)
+  fi
+  log "building helm $HELM_VERSION"
+  (cd "$dir" && go build -ldflags "-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION" \
+    -o "$BIN/helm.tmp" helm.sh/helm/v3/cmd/helm)
+  mv "$BIN/helm.tmp" "$BIN/helm"
+}
+
+if [ "$BIN" != "${KUBEBUILDER_ASSETS:-}" ]; then
+  build_etcd
+  build_kube
+fi
+build_helm
+echo "$BIN"
