@@ -10,12 +10,12 @@ from pathlib import Path
 from types import TracebackType
 from typing import TypeVar
 
-from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
 from disagg.testing.binaries import Binaries, find_binaries
 from disagg.testing.controlplane import ControlPlane
 from disagg.testing.kubelet import LocalKubelet
+from disagg.testing.rest import Kube
 
 T = TypeVar("T")
 
@@ -77,10 +77,9 @@ class LocalCluster:
         assert self.control_plane is not None, "the cluster is not started"
         return self.control_plane.user_kubeconfig
 
-    def api_client(self, admin: bool = True) -> client.ApiClient:
-        """A new API client for the admin (system:masters) or the non-admin identity."""
-        path = self.admin_kubeconfig if admin else self.user_kubeconfig
-        return config.new_client_from_config(config_file=str(path))
+    def kube(self, admin: bool = True) -> Kube:
+        """A new API connection for the admin (system:masters) or the non-admin identity."""
+        return Kube(self.admin_kubeconfig if admin else self.user_kubeconfig)
 
     def __enter__(self) -> LocalCluster:
         self.start()
@@ -95,17 +94,17 @@ class LocalCluster:
         self.stop()
 
 
-def create_namespace(core: client.CoreV1Api, name: str, timeout_s: float = 60.0) -> None:
+def create_namespace(kube: Kube, name: str, timeout_s: float = 60.0) -> None:
     """Create a namespace and wait for its `default` ServiceAccount.
 
     The ServiceAccount admission plugin refuses pods until the service-account
     controller has created that account, a moment after the namespace.
     """
-    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)), _request_timeout=10)
+    kube.post("/api/v1/namespaces", {"metadata": {"name": name}})
 
     def has_account() -> bool:
         try:
-            core.read_namespaced_service_account("default", name, _request_timeout=10)
+            kube.get(f"/api/v1/namespaces/{name}/serviceaccounts/default")
         except ApiException as e:
             if e.status != 404:
                 raise

@@ -9,9 +9,10 @@ every readiness gate True), reports container states and restarts per
 `restartPolicy`, and on deletion SIGTERMs the process group, waits the grace
 period, SIGKILLs and removes the pod object.
 
-Threads: one reconcile loop (lists pods and acts), one watch that wakes it
-early, a small pool for probes, one thread per terminating pod. The shared
-state (`_runtimes`, the address pool) is guarded by `_lock`.
+Threads: one reconcile loop (lists pods every `resync_s`, or at once when a
+probe result changes something, and acts), a small pool for probes, one
+thread per terminating pod. The shared state (`_runtimes`, the address pool)
+is guarded by `_lock`.
 """
 
 from __future__ import annotations
@@ -28,20 +29,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kubernetes import client, config, watch
-from kubernetes.client import V1Container, V1Pod
 from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError
 
-from disagg.testing.podenv import PodConfigError, command_line, container_env
+from disagg.testing.podenv import Obj, PodConfigError, command_line, container_env
 from disagg.testing.probes import ProbeTracker, parse_probe
 from disagg.testing.processes import ManagedProcess
+from disagg.testing.rest import Kube, pod_path
 
 log = logging.getLogger(__name__)
 
 HOST_IP = "127.0.0.1"
 DEFAULT_NODE = "disagg-local-node"
-_REQUEST_TIMEOUT = (5, 30)  # (connect, read) seconds for every API call
+
+
+def _key(pod: Obj) -> str:
+    return f"{pod['metadata'].get('namespace')}/{pod['metadata'].get('name')}"
 
 
 def _now() -> str:
@@ -95,7 +98,7 @@ class LocalKubelet:
         node_name: str = DEFAULT_NODE,
         address_pool: ipaddress.IPv4Network | None = None,
         default_cwd: Path | None = None,
-        resync_s: float = 1.0,
+        resync_s: float = 0.5,
         backoff_s: tuple[float, float] = (1.0, 20.0),
     ) -> None:
         self.node_name = node_name
@@ -106,9 +109,8 @@ class LocalKubelet:
         pool = address_pool or default_address_pool()
         # Skip the network address and 127.0.0.1, where the control plane listens.
         self._free_ips = [str(ip) for ip in pool.hosts() if str(ip) != HOST_IP]
-        self._api = config.new_client_from_config(config_file=str(kubeconfig))
-        self._watch_api = config.new_client_from_config(config_file=str(kubeconfig))
-        self.core = client.CoreV1Api(self._api)
+        self.kube = Kube(kubeconfig)
+        self._node_path = f"/api/v1/nodes/{node_name}"
         self._lock = threading.Lock()
         self._runtimes: dict[str, PodRuntime] = {}
         self._terminating: set[str] = set()  # uids whose stop has begun (once per pod)
@@ -123,10 +125,9 @@ class LocalKubelet:
     def start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._register_node()
-        for target, name in ((self._loop, "kubelet-sync"), (self._watch, "kubelet-watch")):
-            t = threading.Thread(target=target, name=name, daemon=True)
-            t.start()
-            self._threads.append(t)
+        t = threading.Thread(target=self._loop, name="kubelet-sync", daemon=True)
+        t.start()
+        self._threads.append(t)
 
     def stop(self) -> None:
         """Stop the loops and every pod process (the API objects stay)."""
@@ -140,8 +141,7 @@ class LocalKubelet:
             self._runtimes.clear()
         for proc in procs:
             proc.stop(grace_s=5.0)
-        self._api.close()
-        self._watch_api.close()
+        self.kube.close()
 
     def pod_log(self, namespace: str, name: str) -> Path:
         """Where the process of pod namespace/name writes its output."""
@@ -178,14 +178,14 @@ class LocalKubelet:
     def _register_node(self) -> None:
         body = {"metadata": {"name": self.node_name, "labels": {"kubernetes.io/hostname": self.node_name}}}
         try:
-            self.core.create_node(body, _request_timeout=_REQUEST_TIMEOUT)
+            self.kube.post("/api/v1/nodes", body)
         except ApiException as e:
             if e.status != 409:
                 raise
         # The API drops a new node's status, and TaintNodesByCondition gave it a
         # not-ready taint that only the (absent) node-lifecycle controller lifts.
-        self.core.patch_node(self.node_name, {"spec": {"taints": None}}, _request_timeout=_REQUEST_TIMEOUT)
-        self.core.patch_node_status(self.node_name, {"status": self._node_status()}, _request_timeout=_REQUEST_TIMEOUT)
+        self.kube.patch(self._node_path, {"spec": {"taints": None}})
+        self.kube.patch(self._node_path + "/status", {"status": self._node_status()})
         self._last_heartbeat = time.monotonic()
 
     # ---- loops ------------------------------------------------------------
@@ -197,47 +197,28 @@ class LocalKubelet:
             if self._stopping.is_set():
                 return
             try:
-                pods = self.core.list_pod_for_all_namespaces(_request_timeout=_REQUEST_TIMEOUT).items
-                self._sync(pods)
-                # Our own status patches come back as watch events: pace the re-lists.
-                self._stopping.wait(0.1)
+                self._sync(self.kube.get("/api/v1/pods")["items"])
                 if time.monotonic() - self._last_heartbeat > 20:
-                    self.core.patch_node_status(
-                        self.node_name, {"status": self._node_status()}, _request_timeout=_REQUEST_TIMEOUT
-                    )
+                    self.kube.patch(self._node_path + "/status", {"status": self._node_status()})
                     self._last_heartbeat = time.monotonic()
             except (ApiException, HTTPError, OSError) as e:
                 # The API server may be restarting; the next round retries.
                 log.warning("kubelet sync failed: %s", e)
 
-    def _watch(self) -> None:
-        """Only to react quickly: every event wakes the loop, which re-lists."""
-        core = client.CoreV1Api(self._watch_api)
-        while not self._stopping.is_set():
-            w = watch.Watch()
-            try:
-                for _ in w.stream(core.list_pod_for_all_namespaces, timeout_seconds=5, _request_timeout=(5, 15)):
-                    self._wake.set()
-                    if self._stopping.is_set():
-                        w.stop()
-            except (ApiException, HTTPError, OSError) as e:
-                log.debug("kubelet watch ended: %s", e)
-                self._stopping.wait(1.0)
-
     # ---- reconcile --------------------------------------------------------
 
-    def _sync(self, pods: list[V1Pod]) -> None:
+    def _sync(self, pods: list[Obj]) -> None:
         seen: set[str] = set()
         for pod in pods:
-            node = pod.spec.node_name
+            node = pod["spec"].get("nodeName")
             if node and node != self.node_name:
                 continue
-            seen.add(pod.metadata.uid)
+            seen.add(pod["metadata"]["uid"])
             try:
                 self._sync_pod(pod)
             except ApiException as e:
                 # One bad pod must not starve the others.
-                log.warning("pod %s/%s: %s", pod.metadata.namespace, pod.metadata.name, e)
+                log.warning("pod %s: %s", _key(pod), e)
         with self._lock:
             gone = [rt for uid, rt in self._runtimes.items() if uid not in seen and uid not in self._terminating]
             self._terminating &= seen | {rt.uid for rt in self._runtimes.values()}
@@ -245,75 +226,73 @@ class LocalKubelet:
             # Force-deleted (grace 0) or its namespace vanished: nothing to report to.
             self._begin_termination(None, rt)
 
-    def _sync_pod(self, pod: V1Pod) -> None:
-        if not pod.spec.node_name:
-            if pod.metadata.deletion_timestamp is None:
+    def _sync_pod(self, pod: Obj) -> None:
+        meta = pod["metadata"]
+        if not pod["spec"].get("nodeName"):
+            if "deletionTimestamp" not in meta:
                 self._bind(pod)
             return
         with self._lock:
-            rt = self._runtimes.get(pod.metadata.uid)
-        if pod.metadata.deletion_timestamp is not None:
+            rt = self._runtimes.get(meta["uid"])
+        if "deletionTimestamp" in meta:
             self._begin_termination(pod, rt)
             return
         if rt is None:
-            if pod.status.phase in ("Succeeded", "Failed"):
+            if pod.get("status", {}).get("phase") in ("Succeeded", "Failed"):
                 return  # finished before this kubelet started
             rt = self._admit(pod)
         self._advance(rt, pod)
         self._report(rt, pod)
 
-    def _bind(self, pod: V1Pod) -> None:
-        body = client.V1Binding(
-            metadata=client.V1ObjectMeta(name=pod.metadata.name, uid=pod.metadata.uid),
-            target=client.V1ObjectReference(api_version="v1", kind="Node", name=self.node_name),
-        )
+    def _bind(self, pod: Obj) -> None:
+        meta = pod["metadata"]
+        body = {
+            "apiVersion": "v1", "kind": "Binding",
+            "metadata": {"name": meta["name"], "uid": meta["uid"]},
+            "target": {"apiVersion": "v1", "kind": "Node", "name": self.node_name},
+        }
         try:
-            # _preload_content=False: the client cannot parse the Status it gets back.
-            self.core.create_namespaced_pod_binding(
-                pod.metadata.name, pod.metadata.namespace, body,
-                _preload_content=False, _request_timeout=_REQUEST_TIMEOUT,
-            )
+            self.kube.post(pod_path(meta["namespace"], meta["name"], "binding"), body)
         except ApiException as e:
             if e.status not in (404, 409):
                 raise
 
-    def _admit(self, pod: V1Pod) -> PodRuntime:
-        meta = pod.metadata
+    def _admit(self, pod: Obj) -> PodRuntime:
+        meta = pod["metadata"]
         with self._lock:
             assert self._free_ips, "the pod address pool is exhausted"
             ip = self._free_ips.pop(0)
-            rt = PodRuntime(uid=meta.uid, namespace=meta.namespace, name=meta.name, ip=ip,
-                            log_path=self.pod_log(meta.namespace, meta.name))
-            self._runtimes[meta.uid] = rt
-        others = [c.name for c in pod.spec.containers[1:]]
+            rt = PodRuntime(uid=meta["uid"], namespace=meta["namespace"], name=meta["name"], ip=ip,
+                            log_path=self.pod_log(meta["namespace"], meta["name"]))
+            self._runtimes[meta["uid"]] = rt
+        others = [c["name"] for c in pod["spec"]["containers"][1:]]
         if others:
-            log.warning("pod %s/%s: only the first container runs here, not %s", meta.namespace, meta.name, others)
+            log.warning("pod %s: only the first container runs here, not %s", _key(pod), others)
         return rt
 
     def _lookup(self, kind: str, namespace: str, name: str) -> dict[str, str] | None:
+        resource = "configmaps" if kind == "ConfigMap" else "secrets"
         try:
-            if kind == "ConfigMap":
-                obj = self.core.read_namespaced_config_map(name, namespace, _request_timeout=_REQUEST_TIMEOUT)
-            else:
-                obj = self.core.read_namespaced_secret(name, namespace, _request_timeout=_REQUEST_TIMEOUT)
+            obj = self.kube.get(f"/api/v1/namespaces/{namespace}/{resource}/{name}")
         except ApiException as e:
             if e.status == 404:
                 return None
             raise
-        return dict(obj.data or {})
+        data: dict[str, str] = obj.get("data", {})
+        return data
 
-    def _start_container(self, rt: PodRuntime, pod: V1Pod) -> None:
-        container: V1Container = pod.spec.containers[0]
+    def _start_container(self, rt: PodRuntime, pod: Obj) -> None:
+        container = pod["spec"]["containers"][0]
         injected = {"POD_IP": rt.ip, "POD_NAME": rt.name, "POD_NAMESPACE": rt.namespace}
         try:
             env = {**injected, **container_env(pod, container, rt.ip, HOST_IP, self._lookup)}
             argv = command_line(container, env)
-            cwd = container.working_dir or self.default_cwd
+            cwd = container.get("workingDir") or self.default_cwd
             if not Path(cwd).is_dir():
                 raise PodConfigError(f"workingDir {cwd!r} does not exist")
             tracker = None
-            if container.readiness_probe is not None:
-                tracker = ProbeTracker(parse_probe(container.readiness_probe, container, rt.ip), time.monotonic())
+            if "readinessProbe" in container:
+                tracker = ProbeTracker(parse_probe(container["readinessProbe"], container, rt.ip), time.monotonic())
         except PodConfigError as e:
             rt.waiting = ("CreateContainerConfigError", str(e))
             rt.restart_at = time.monotonic() + self.backoff_s[0]
@@ -321,16 +300,22 @@ class LocalKubelet:
         # The process sees this machine's environment (PATH, the virtualenv)
         # under the pod's own variables.
         full_env = {**os.environ, **env}
+        rt.log_path.parent.mkdir(parents=True, exist_ok=True)
         with rt.log_path.open("ab") as f:
             f.write(f"--- {_now()} starting {argv}\n".encode())
-        rt.process = ManagedProcess(f"{rt.namespace}/{rt.name}", argv, rt.log_path, env=full_env, cwd=cwd)
+        try:
+            rt.process = ManagedProcess(f"{rt.namespace}/{rt.name}", argv, rt.log_path, env=full_env, cwd=cwd)
+        except OSError as e:  # e.g. the command does not exist
+            rt.waiting = ("RunContainerError", f"starting {argv[0]!r}: {e}")
+            rt.restart_at = time.monotonic() + self.backoff_s[1]
+            return
         if rt.ever_started:
             rt.restart_count += 1
         rt.ever_started = True
         rt.env, rt.cwd, rt.tracker = full_env, cwd, tracker
         rt.started_at, rt.started_mono = _now(), time.monotonic()
 
-    def _advance(self, rt: PodRuntime, pod: V1Pod) -> None:
+    def _advance(self, rt: PodRuntime, pod: Obj) -> None:
         """Notice an exit, restart per policy, start probes that are due."""
         now = time.monotonic()
         if rt.process is not None and (code := rt.process.poll()) is not None:
@@ -340,7 +325,7 @@ class LocalKubelet:
             exit_code = code if code >= 0 else 128 - code
             term = {"exitCode": exit_code, "reason": "Completed" if exit_code == 0 else "Error",
                     "startedAt": rt.started_at, "finishedAt": _now()}
-            policy = pod.spec.restart_policy or "Always"
+            policy = pod["spec"].get("restartPolicy", "Always")
             if policy == "Always" or (policy == "OnFailure" and exit_code != 0):
                 lo, hi = self.backoff_s
                 # A run that lasted well past the longest back-off resets it.
@@ -384,8 +369,8 @@ class LocalKubelet:
             cond.update(reason=None, message=None)
         return cond
 
-    def _status(self, rt: PodRuntime, pod: V1Pod) -> dict[str, Any]:
-        container: V1Container = pod.spec.containers[0]
+    def _status(self, rt: PodRuntime, pod: Obj) -> dict[str, Any]:
+        container = pod["spec"]["containers"][0]
         ready = self._container_ready(rt)
         state: dict[str, Any]
         if rt.running:
@@ -396,7 +381,7 @@ class LocalKubelet:
             reason, message = rt.waiting
             state = {"waiting": {"reason": reason, "message": message or None}}
         container_status = {
-            "name": container.name, "image": container.image or "", "imageID": "",
+            "name": container["name"], "image": container.get("image", ""), "imageID": "",
             "containerID": f"local://{rt.process.pid}" if rt.running and rt.process else None,
             "ready": ready, "started": rt.running, "restartCount": rt.restart_count,
             "state": state,
@@ -408,11 +393,12 @@ class LocalKubelet:
             phase = "Running"
         else:
             phase = "Pending"
-        gates = [g.condition_type for g in pod.spec.readiness_gates or []]
-        current = {c.type: c.status for c in pod.status.conditions or []}
+        gates = [g["conditionType"] for g in pod["spec"].get("readinessGates", [])]
+        status = pod.get("status", {})
+        current = {c["type"]: c["status"] for c in status.get("conditions", [])}
         missing = [g for g in gates if current.get(g) != "True"]
         if not ready:
-            why = ("ContainersNotReady", f"containers with unready status: [{container.name}]")
+            why = ("ContainersNotReady", f"containers with unready status: [{container['name']}]")
         elif missing:
             why = ("ReadinessGatesNotReady", f"corresponding condition of pod readiness gate {missing} does not exist or is False")
         else:
@@ -428,12 +414,12 @@ class LocalKubelet:
             "phase": phase,
             "hostIP": HOST_IP, "hostIPs": [{"ip": HOST_IP}],
             "podIP": rt.ip, "podIPs": [{"ip": rt.ip}],
-            "startTime": pod.status.start_time.strftime("%Y-%m-%dT%H:%M:%SZ") if pod.status.start_time else _now(),
+            "startTime": status.get("startTime") or _now(),
             "conditions": conditions,
             "containerStatuses": [container_status],
         }
 
-    def _report(self, rt: PodRuntime, pod: V1Pod) -> None:
+    def _report(self, rt: PodRuntime, pod: Obj) -> None:
         with self._lock:
             status = self._status(rt, pod)
         if status == rt.reported:
@@ -441,10 +427,7 @@ class LocalKubelet:
         try:
             # Strategic merge: conditions merge by type, so the gate conditions
             # that others (the operator) write are left alone.
-            self.core.patch_namespaced_pod_status(
-                rt.name, rt.namespace, {"metadata": {"uid": rt.uid}, "status": status},
-                _request_timeout=_REQUEST_TIMEOUT,
-            )
+            self.kube.patch(pod_path(rt.namespace, rt.name, "status"), {"metadata": {"uid": rt.uid}, "status": status})
             rt.reported = status
         except ApiException as e:
             if e.status not in (404, 409):
@@ -452,8 +435,8 @@ class LocalKubelet:
 
     # ---- termination ------------------------------------------------------
 
-    def _begin_termination(self, pod: V1Pod | None, rt: PodRuntime | None) -> None:
-        uid = rt.uid if rt is not None else pod.metadata.uid if pod is not None else ""
+    def _begin_termination(self, pod: Obj | None, rt: PodRuntime | None) -> None:
+        uid = rt.uid if rt is not None else pod["metadata"]["uid"] if pod is not None else ""
         assert uid, "a termination needs a pod or a runtime"
         with self._lock:
             if uid in self._terminating:
@@ -461,30 +444,25 @@ class LocalKubelet:
             self._terminating.add(uid)
         grace = 30.0
         if pod is not None:
-            if pod.metadata.deletion_grace_period_seconds is not None:
-                grace = float(pod.metadata.deletion_grace_period_seconds)
-            elif pod.spec.termination_grace_period_seconds is not None:
-                grace = float(pod.spec.termination_grace_period_seconds)
+            grace = float(pod["metadata"].get("deletionGracePeriodSeconds",
+                                              pod["spec"].get("terminationGracePeriodSeconds", grace)))
         t = threading.Thread(target=self._terminate, args=(pod, rt, grace), daemon=True, name=f"kubelet-stop-{uid}")
         t.start()
         self._threads.append(t)
 
-    def _terminate(self, pod: V1Pod | None, rt: PodRuntime | None, grace_s: float) -> None:
+    def _terminate(self, pod: Obj | None, rt: PodRuntime | None, grace_s: float) -> None:
         """SIGTERM, wait the grace period, SIGKILL; then delete the pod object for good."""
         if rt is not None and rt.process is not None:
             code = rt.process.stop(grace_s=grace_s)
             log.info("pod %s/%s stopped (exit %s)", rt.namespace, rt.name, code)
         if pod is not None:
+            meta = pod["metadata"]
             try:
-                self.core.delete_namespaced_pod(
-                    pod.metadata.name, pod.metadata.namespace,
-                    body=client.V1DeleteOptions(grace_period_seconds=0,
-                                                preconditions=client.V1Preconditions(uid=pod.metadata.uid)),
-                    _request_timeout=_REQUEST_TIMEOUT,
-                )
+                self.kube.delete(pod_path(meta["namespace"], meta["name"]),
+                                 {"gracePeriodSeconds": 0, "preconditions": {"uid": meta["uid"]}})
             except ApiException as e:
                 if e.status not in (404, 409):
-                    log.warning("deleting pod %s/%s failed: %s", pod.metadata.namespace, pod.metadata.name, e)
+                    log.warning("deleting pod %s failed: %s", _key(pod), e)
         if rt is not None:
             with self._lock:
                 self._runtimes.pop(rt.uid, None)

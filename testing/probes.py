@@ -9,9 +9,7 @@ import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from kubernetes.client import V1Container, V1Probe
-
-from disagg.testing.podenv import PodConfigError, container_port
+from disagg.testing.podenv import Obj, PodConfigError, container_port
 
 
 @dataclass(frozen=True)
@@ -64,33 +62,33 @@ class Probe:
         return 200 <= status < 400
 
 
-def parse_probe(probe: V1Probe, container: V1Container, pod_ip: str) -> Probe:
+def parse_probe(probe: Obj, container: Obj, pod_ip: str) -> Probe:
     """Resolve `probe` (the API's defaults applied) for a container serving on `pod_ip`."""
     # The timing every kind shares; `kind` is settled below.
     base = Probe(
         kind="exec",
-        initial_delay_s=float(probe.initial_delay_seconds or 0),
-        period_s=float(probe.period_seconds or 10),
-        timeout_s=float(probe.timeout_seconds or 1),
-        success_threshold=int(probe.success_threshold or 1),
-        failure_threshold=int(probe.failure_threshold or 3),
+        initial_delay_s=float(probe.get("initialDelaySeconds", 0)),
+        period_s=float(probe.get("periodSeconds", 10)),
+        timeout_s=float(probe.get("timeoutSeconds", 1)),
+        success_threshold=int(probe.get("successThreshold", 1)),
+        failure_threshold=int(probe.get("failureThreshold", 3)),
     )
-    if probe.http_get is not None:
-        g = probe.http_get
+    if "httpGet" in probe:
+        g = probe["httpGet"]
         return replace(
             base,
             kind="http",
-            host=g.host or pod_ip,
-            port=container_port(container, g.port),
-            path=g.path or "/",
-            https=(g.scheme or "HTTP").upper() == "HTTPS",
-            headers=tuple((h.name, h.value) for h in g.http_headers or []),
+            host=g.get("host") or pod_ip,
+            port=container_port(container, g["port"]),
+            path=g.get("path", "/"),
+            https=g.get("scheme", "HTTP").upper() == "HTTPS",
+            headers=tuple((h["name"], h["value"]) for h in g.get("httpHeaders", [])),
         )
-    if probe.tcp_socket is not None:
-        t = probe.tcp_socket
-        return replace(base, kind="tcp", host=t.host or pod_ip, port=container_port(container, t.port))
-    if probe._exec is not None and probe._exec.command:
-        return replace(base, command=tuple(probe._exec.command))
+    if "tcpSocket" in probe:
+        t = probe["tcpSocket"]
+        return replace(base, kind="tcp", host=t.get("host") or pod_ip, port=container_port(container, t["port"]))
+    if probe.get("exec", {}).get("command"):
+        return replace(base, command=tuple(probe["exec"]["command"]))
     raise PodConfigError("readinessProbe has no httpGet, tcpSocket or exec (grpc probes are not supported)")
 
 

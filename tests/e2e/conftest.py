@@ -10,10 +10,10 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-from kubernetes import client
 
 from disagg.testing.binaries import BinariesError, find_binaries
 from disagg.testing.cluster import LocalCluster, create_namespace
+from disagg.testing.rest import Kube
 
 
 @pytest.fixture(scope="session")
@@ -32,21 +32,17 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[LocalCluster]:
 
 
 @pytest.fixture(scope="session")
-def api(cluster: LocalCluster) -> Iterator[client.ApiClient]:
-    """An admin (system:masters) API client."""
-    with cluster.api_client(admin=True) as c:
-        yield c
-
-
-@pytest.fixture(scope="session")
-def core(api: client.ApiClient) -> client.CoreV1Api:
-    return client.CoreV1Api(api)
+def kube(cluster: LocalCluster) -> Iterator[Kube]:
+    """The admin (system:masters) identity's connection."""
+    connection = cluster.kube(admin=True)
+    yield connection
+    connection.close()
 
 
 @pytest.fixture
-def namespace(core: client.CoreV1Api) -> Iterator[str]:
+def namespace(kube: Kube) -> Iterator[str]:
     """A fresh namespace, deleted (with its pods) after the test."""
     name = f"t-{uuid.uuid4().hex[:8]}"
-    create_namespace(core, name)
+    create_namespace(kube, name)
     yield name
-    core.delete_namespace(name, _request_timeout=10)
+    kube.delete(f"/api/v1/namespaces/{name}")
