@@ -3,6 +3,7 @@ itself under chunking, preemption, prefix caching and batching."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from disagg.workers.engine.async_engine import AsyncEngine, EngineError, EngineStats
 from disagg.workers.engine.config import EngineConfig
 from disagg.workers.engine.llm_engine import LLMEngine
 from disagg.workers.engine.outputs import RequestOutput
@@ -241,3 +243,102 @@ def test_bad_requests_are_refused_with_clear_errors(make_engine: MakeEngine) -> 
         engine.add_request("a", [5, 6], GREEDY)
     assert engine.abort_request("a")
     engine.step()
+
+
+# --- the asyncio front ------------------------------------------------------------
+
+
+@pytest.fixture
+def async_engine(make_engine: MakeEngine) -> Iterator[AsyncEngine]:
+    engine = AsyncEngine(make_engine())
+    engine.start()
+    yield engine
+    assert engine.shutdown(timeout=30)
+
+
+async def wait_for_free_blocks(engine: AsyncEngine) -> EngineStats:
+    """The pool is whole once the engine thread has processed every abort."""
+    for _ in range(200):
+        stats = engine.stats()
+        if stats.num_blocks_free == stats.num_blocks_total and stats.num_running + stats.num_waiting == 0:
+            return stats
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"blocks were not freed: {engine.stats()}")
+
+
+async def collect(engine: AsyncEngine, rid: str, prompt: list[int], params: SamplingParams) -> list[int]:
+    got: list[int] = []
+    async for out in engine.generate(rid, prompt, params):
+        got += out.new_token_ids
+    assert out.finished
+    return got
+
+
+async def test_async_generate_equals_the_sync_engine(async_engine: AsyncEngine, make_engine: MakeEngine) -> None:
+    batch = prompts(4, [3, 11, 6, 1], seed=11)
+    expected = tokens(run(make_engine(), [(p, GREEDY) for p in batch]))
+    got = await asyncio.gather(*(collect(async_engine, f"r{i}", p, GREEDY) for i, p in enumerate(batch)))
+    assert list(got) == expected
+    await wait_for_free_blocks(async_engine)
+
+
+async def test_consumer_cancellation_aborts_the_request(async_engine: AsyncEngine) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    stream = async_engine.generate("long", prompts(1, [5])[0], params)
+    first = await anext(stream)
+    assert not first.finished
+    await stream.aclose()
+    await wait_for_free_blocks(async_engine)
+
+    task = asyncio.create_task(collect(async_engine, "cancelled", prompts(1, [5])[0], params))
+    await asyncio.sleep(0.2)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await wait_for_free_blocks(async_engine)
+
+
+async def test_abort_from_outside_ends_the_stream(async_engine: AsyncEngine) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    outputs = []
+    async for out in async_engine.generate("victim", prompts(1, [5])[0], params):
+        outputs.append(out)
+        if len(outputs) == 2:
+            async_engine.abort("victim")
+    assert outputs[-1].finished and outputs[-1].finish_reason == "abort"
+    await wait_for_free_blocks(async_engine)
+
+
+async def test_invalid_request_raises_to_the_caller(async_engine: AsyncEngine) -> None:
+    with pytest.raises(ValueError, match="empty"):
+        await collect(async_engine, "bad", [], GREEDY)
+    assert await collect(async_engine, "good", [5, 6, 7], GREEDY)
+
+
+async def test_engine_errors_reach_the_consumers(async_engine: AsyncEngine) -> None:
+    runner = async_engine.engine.model_runner
+    pool = runner.kv_cache.tensor
+    runner.kv_cache.tensor = torch.empty(0)  # every forward now fails
+    try:
+        with pytest.raises(EngineError, match="step failed"):
+            await asyncio.wait_for(collect(async_engine, "doomed", [5, 6, 7], GREEDY), timeout=30)
+    finally:
+        runner.kv_cache.tensor = pool
+    await wait_for_free_blocks(async_engine)
+    # The loop survived and serves the next request.
+    assert len(await collect(async_engine, "next", [5, 6, 7], GREEDY)) == GREEDY.max_tokens
+
+
+async def test_shutdown_fails_open_streams(make_engine: MakeEngine) -> None:
+    engine = AsyncEngine(make_engine())
+    engine.start()
+    params = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
+    stream = engine.generate("endless", prompts(1, [5])[0], params)
+    await anext(stream)
+    assert await asyncio.to_thread(engine.shutdown, 30)
+    with pytest.raises(EngineError, match="shut down"):
+        async for _ in stream:
+            pass
+    assert engine.engine.num_free_blocks == engine.engine.num_total_blocks
+    with pytest.raises(EngineError):
+        await anext(engine.generate("late", [5], GREEDY))

@@ -1,0 +1,222 @@
+"""The engine loop in one background thread, with an asyncio front.
+
+Only the engine thread touches the LLMEngine after `start`: other threads
+hand it commands through a queue and receive outputs through each request's
+asyncio queue, so a long step never blocks the event loop (HTTP keeps
+serving while a long prompt runs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from disagg.workers.engine.llm_engine import LLMEngine
+from disagg.workers.engine.outputs import RequestOutput
+from disagg.workers.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# How long the idle loop sleeps between looks at its command queue when
+# nobody wakes it (a safety net: every command also wakes it).
+_IDLE_WAIT_S = 0.5
+
+
+class EngineError(RuntimeError):
+    """The engine failed a request it had accepted (a step raised, or it shut down)."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot for the metrics gauges."""
+
+    num_blocks_total: int
+    num_blocks_free: int
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+
+
+@dataclass
+class _Stream:
+    """Where one request's outputs go: a queue owned by the consumer's event loop."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException]
+
+
+@dataclass(frozen=True)
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()  # guards _streams
+        self._wakeup = threading.Event()
+        self._stopping = threading.Event()
+        self._dead: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    # --- lifecycle ----------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> bool:
+        """Stop the loop after its current step; fail every open stream.
+        Returns False when the loop did not stop within `timeout` seconds."""
+        self._stopping.set()
+        self._wakeup.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        stopped = not self._thread.is_alive()
+        if stopped:
+            # The engine thread is gone, so this thread may touch the engine now.
+            for request_id in list(self.engine.scheduler.requests):
+                self.engine.abort_request(request_id)
+            self.engine.step()  # takes the abort reports; runs nothing, since nothing is left
+        self._fail_all(EngineError("the engine shut down"))
+        return stopped
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and not self._stopping.is_set()
+
+    # --- requests -----------------------------------------------------------
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs until the finished one.
+
+        Raises ValueError (on the first iteration) for a request the engine can
+        never run, EngineError when the engine fails or stops. Closing or
+        cancelling the iteration aborts the request and frees its blocks.
+        """
+        if not self.is_running:
+            raise EngineError(f"the engine is not running: {self._dead or 'stopped'}")
+        self.engine.check_request(prompt_token_ids, params)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._streams[request_id] = stream
+        self._submit(_Add(request_id, list(prompt_token_ids), params))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True  # the engine already dropped it
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            if not finished:
+                self._submit(_Abort(request_id))
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request from any thread; its stream ends with an "abort" output."""
+        self._submit(_Abort(request_id))
+
+    def stats(self) -> EngineStats:
+        engine = self.engine
+        return EngineStats(
+            num_blocks_total=engine.num_total_blocks,
+            num_blocks_free=engine.num_free_blocks,
+            num_running=engine.num_running,
+            num_waiting=engine.num_waiting,
+            num_preemptions=engine.scheduler.num_preemptions,
+        )
+
+    def _submit(self, command: _Add | _Abort) -> None:
+        self._commands.put(command)
+        self._wakeup.set()
+
+    # --- the engine thread ----------------------------------------------------
+
+    def _run(self) -> None:
+        idle_checked = False
+        try:
+            while not self._stopping.is_set():
+                self._wakeup.clear()
+                self._apply_commands()
+                if not self.engine.has_unfinished_requests:
+                    if not idle_checked:
+                        self.engine.check_integrity()
+                        idle_checked = True
+                    self._wakeup.wait(_IDLE_WAIT_S)
+                    continue
+                idle_checked = False
+                self._step()
+        except Exception as exc:  # the loop itself broke: nobody may wait on it
+            logger.exception("engine loop died")
+            self._dead = exc
+            self._stopping.set()
+            self._fail_all(EngineError(f"the engine loop died: {exc}"))
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _Abort):
+                self.engine.abort_request(command.request_id)
+                continue
+            try:
+                self.engine.add_request(command.request_id, command.prompt_token_ids, command.params)
+            except ValueError as exc:
+                self._deliver(command.request_id, exc)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            # A failed step leaves its requests in an unknown state: fail and
+            # drop them all (freeing their blocks), and keep serving new ones.
+            logger.exception("engine step failed")
+            failed = list(self.engine.scheduler.requests)
+            for request_id in failed:
+                self.engine.abort_request(request_id)
+            self.engine.step()  # reports the aborts; runs nothing, since nothing is left
+            for request_id in failed:
+                self._deliver(request_id, EngineError(f"engine step failed: {exc}"))
+            return
+        for output in outputs:
+            self._deliver(output.request_id, output)
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        with self._lock:
+            stream = self._streams.get(request_id)
+        if stream is None:
+            return  # the consumer left; its abort is on the way
+        try:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        except RuntimeError:
+            logger.debug("event loop of request %s is closed", request_id)
+
+    def _fail_all(self, error: EngineError) -> None:
+        with self._lock:
+            request_ids = list(self._streams)
+        for request_id in request_ids:
+            self._deliver(request_id, error)
