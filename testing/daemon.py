@@ -20,7 +20,7 @@ from pathlib import Path
 
 from disagg.testing.binaries import find_binaries
 from disagg.testing.cluster import LocalCluster
-from disagg.testing.processes import log_tail
+from disagg.testing.processes import log_tail, process_running
 
 
 def default_runtime_dir() -> Path:
@@ -28,20 +28,12 @@ def default_runtime_dir() -> Path:
     return Path(base) / "disagg-cluster"
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def _read_state(runtime_dir: Path) -> dict[str, str | int] | None:
     path = runtime_dir / "state.json"
     if not path.is_file():
         return None
     state: dict[str, str | int] = json.loads(path.read_text())
-    return state if _alive(int(state["pid"])) else None
+    return state if process_running(int(state["pid"])) else None
 
 
 def _print_state(state: dict[str, str | int]) -> None:
@@ -116,9 +108,9 @@ def down(runtime_dir: Path, timeout_s: float = 120.0) -> int:
     pid = int(state["pid"])
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
-    while _alive(pid) and time.monotonic() < deadline:
+    while process_running(pid) and time.monotonic() < deadline:
         time.sleep(0.2)
-    if _alive(pid):
+    if process_running(pid):
         # It leads its own session: take the whole group down.
         os.killpg(pid, signal.SIGKILL)
         print(f"pid {pid} did not stop within {timeout_s:.0f} s; killed", file=sys.stderr)

@@ -100,14 +100,17 @@ class LocalKubelet:
         default_cwd: Path | None = None,
         resync_s: float = 0.5,
         backoff_s: tuple[float, float] = (1.0, 20.0),
+        bind_unscheduled: bool = True,
     ) -> None:
         self.node_name = node_name
+        # With two kubelets on one API server only one may play the scheduler.
+        self.bind_unscheduled = bind_unscheduled
         self.workdir = workdir
         self.default_cwd = str(default_cwd or Path.cwd())
         self.resync_s = resync_s
         self.backoff_s = backoff_s
         pool = address_pool or default_address_pool()
-        # Skip the network address and 127.0.0.1, where the control plane listens.
+        # hosts() skips the network address; 127.0.0.1 is the control plane's.
         self._free_ips = [str(ip) for ip in pool.hosts() if str(ip) != HOST_IP]
         self.kube = Kube(kubeconfig)
         self._node_path = f"/api/v1/nodes/{node_name}"
@@ -229,7 +232,7 @@ class LocalKubelet:
     def _sync_pod(self, pod: Obj) -> None:
         meta = pod["metadata"]
         if not pod["spec"].get("nodeName"):
-            if "deletionTimestamp" not in meta:
+            if "deletionTimestamp" not in meta and self.bind_unscheduled:
                 self._bind(pod)
             return
         with self._lock:

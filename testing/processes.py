@@ -95,14 +95,39 @@ class ManagedProcess:
         return code
 
 
+def _stat(pid: int) -> tuple[str, int] | None:
+    """(state letter, process group) from /proc/PID/stat, or None when it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    # The command name may hold spaces and parentheses: split after the last ')'.
+    fields = text[text.rindex(")") + 2:].split()
+    return fields[0], int(fields[2])
+
+
+def process_running(pid: int) -> bool:
+    """Whether `pid` exists and is not a zombie.
+
+    NOTE: kill(pid, 0) is not enough: an orphan whose new parent never reaps
+    (a container's init may not) lingers as a zombie after it exits.
+    """
+    stat = _stat(pid)
+    return stat is not None and stat[0] not in ("Z", "X")
+
+
+def group_running(pgid: int) -> bool:
+    """Whether any process of group `pgid` is still running (zombies aside)."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            stat = _stat(int(entry.name))
+            if stat is not None and stat[1] == pgid and stat[0] not in ("Z", "X"):
+                return True
+    return False
+
+
 def _wait_group_gone(pgid: int, timeout_s: float) -> None:
-    """Wait until no process is left in group `pgid` (reaped or not ours)."""
+    """Wait until no process of group `pgid` runs any more."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return
-        except PermissionError:
-            return
+    while group_running(pgid) and time.monotonic() < deadline:
         time.sleep(0.05)

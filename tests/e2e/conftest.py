@@ -13,7 +13,11 @@ import pytest
 
 from disagg.testing.binaries import BinariesError, find_binaries
 from disagg.testing.cluster import LocalCluster, create_namespace
+from disagg.testing.anyip import local_network
+from disagg.testing.kubelet import LocalKubelet
 from disagg.testing.rest import Kube
+
+ROUTABLE_NODE = "disagg-routable-node"
 
 
 @pytest.fixture(scope="session")
@@ -46,3 +50,22 @@ def namespace(kube: Kube) -> Iterator[str]:
     create_namespace(kube, name)
     yield name
     kube.delete(f"/api/v1/namespaces/{name}")
+
+
+@pytest.fixture(scope="session")
+def routable_kubelet(cluster: LocalCluster) -> Iterator[LocalKubelet]:
+    """A second kubelet whose pods get addresses outside 127.0.0.0/8.
+
+    EndpointSlices refuse loopback addresses, so tests of a Service's
+    endpoints put their pods on this node (`spec.nodeName`). It needs
+    CAP_NET_ADMIN to route a range to the loopback device; without it the
+    tests that use it are skipped, with that reason.
+    """
+    with local_network() as network:
+        if network is None:
+            pytest.skip("needs CAP_NET_ADMIN to route a non-loopback range to lo (EndpointSlices refuse 127/8)")
+        kubelet = LocalKubelet(cluster.admin_kubeconfig, cluster.workdir / "routable-kubelet",
+                               node_name=ROUTABLE_NODE, address_pool=network, bind_unscheduled=False)
+        kubelet.start()
+        yield kubelet
+        kubelet.stop()

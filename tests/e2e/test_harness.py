@@ -7,7 +7,8 @@ against the session's control plane.
 from __future__ import annotations
 
 import ipaddress
-import os
+import json
+import subprocess
 import sys
 import urllib.request
 from pathlib import Path
@@ -16,8 +17,10 @@ import pytest
 from kubernetes.client.exceptions import ApiException
 
 from disagg.testing.cluster import LocalCluster, wait_until
+from disagg.testing.kubelet import LocalKubelet
 from disagg.testing.podenv import PodConfigError, command_line, container_env, expand
 from disagg.testing.probes import Probe, ProbeTracker
+from disagg.testing.processes import process_running
 from disagg.testing.rest import Kube, Obj, pod_path
 
 GATE = "disagg.dev/linked"
@@ -76,13 +79,14 @@ def test_probe_tracker_applies_thresholds() -> None:
 
 
 def http_server_pod(name: str, directory: Path, labels: dict[str, str] | None = None,
-                    gates: list[str] | None = None, probe_path: str = "/ready.txt") -> Obj:
+                    gates: list[str] | None = None, probe_path: str = "/ready.txt", node: str = "") -> Obj:
     """A pod serving `directory` with `python -m http.server` on its own address."""
     return {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {"name": name, "labels": labels or {}},
         "spec": {
+            **({"nodeName": node} if node else {}),
             "readinessGates": [{"conditionType": g} for g in gates or []],
             "terminationGracePeriodSeconds": 5,
             "containers": [{
@@ -139,14 +143,6 @@ def wait_gone(kube: Kube, path: str) -> None:
     wait_until(gone, WAIT_S, f"{path} to be removed")
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 @pytest.mark.e2e
 def test_http_server_pod_becomes_ready_on_its_own_loopback_address(kube: Kube, namespace: str, tmp_path: Path) -> None:
     (tmp_path / "ready.txt").write_text("served from the working directory")
@@ -178,12 +174,14 @@ def test_readiness_gate_holds_ready_until_its_condition_is_true(kube: Kube, name
 
 
 @pytest.mark.e2e
-def test_endpoint_slice_lists_only_ready_pods(kube: Kube, namespace: str, tmp_path: Path) -> None:
+def test_endpoint_slice_lists_only_ready_pods(
+    kube: Kube, namespace: str, tmp_path: Path, routable_kubelet: LocalKubelet
+) -> None:
     (tmp_path / "ready.txt").write_text("ok")
-    labels = {"app": "web"}
-    kube.post(pod_path(namespace), http_server_pod("ready", tmp_path, labels))
+    labels, node = {"app": "web"}, routable_kubelet.node_name
+    kube.post(pod_path(namespace), http_server_pod("ready", tmp_path, labels, node=node))
     # Same server, but its probe asks for a file that does not exist: never Ready.
-    kube.post(pod_path(namespace), http_server_pod("unready", tmp_path, labels, probe_path="/absent"))
+    kube.post(pod_path(namespace), http_server_pod("unready", tmp_path, labels, probe_path="/absent", node=node))
     kube.post(f"/api/v1/namespaces/{namespace}/services", {
         "metadata": {"name": "web"},
         "spec": {"selector": labels, "ports": [{"name": "http", "port": 80, "targetPort": "http"}]},
@@ -191,6 +189,8 @@ def test_endpoint_slice_lists_only_ready_pods(kube: Kube, namespace: str, tmp_pa
     ready_ip = wait_condition(kube, namespace, "ready", "Ready")["status"]["podIP"]
     unready = wait_condition(kube, namespace, "unready", "ContainersReady", "False")
     assert condition(unready, "Ready") == "False"
+    with urllib.request.urlopen(f"http://{ready_ip}:8080/ready.txt", timeout=5) as r:
+        assert r.read() == b"ok"
 
     def ready_endpoints() -> dict[str, list[str]] | None:
         slices = kube.get(f"/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices",
@@ -200,6 +200,17 @@ def test_endpoint_slice_lists_only_ready_pods(kube: Kube, namespace: str, tmp_pa
         return ready if len(endpoints) == 2 else None
 
     assert wait_until(ready_endpoints, WAIT_S, "an EndpointSlice with both pods") == {"ready": [ready_ip]}
+
+
+@pytest.mark.e2e
+def test_endpoint_slices_refuse_loopback_addresses(kube: Kube, namespace: str) -> None:
+    """Why the test above needs a second node: 127.0.0.N pods cannot be endpoints."""
+    with pytest.raises(ApiException) as caught:
+        kube.post(f"/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices", {
+            "metadata": {"name": "loopback"}, "addressType": "IPv4",
+            "endpoints": [{"addresses": ["127.0.0.2"]}],
+        })
+    assert caught.value.status == 422 and "loopback" in str(caught.value.body)
 
 
 @pytest.mark.e2e
@@ -213,12 +224,12 @@ def test_deleting_a_pod_stops_its_process(cluster: LocalCluster, kube: Kube, nam
     wait_condition(kube, namespace, "stubborn", "Ready")
     assert cluster.kubelet is not None
     pid = cluster.kubelet.pod_pid(namespace, "stubborn")
-    assert pid is not None and pid_alive(pid)
+    assert pid is not None and process_running(pid)
     log = cluster.kubelet.pod_log(namespace, "stubborn")
     wait_until(lambda: "started" in log.read_text(), WAIT_S, "the process to start")
     kube.delete(pod_path(namespace, "stubborn"))
     wait_gone(kube, pod_path(namespace, "stubborn"))
-    assert not pid_alive(pid)
+    assert not process_running(pid)
     assert "got SIGTERM" in log.read_text()
 
 
@@ -256,10 +267,10 @@ def test_tens_of_pods_run_on_distinct_addresses(cluster: LocalCluster, kube: Kub
     assert len({p["status"]["podIP"] for p in pods}) == len(names)
     assert cluster.kubelet is not None
     pids = [cluster.kubelet.pod_pid(namespace, n) for n in names]
-    assert all(pid is not None and pid_alive(pid) for pid in pids)
+    assert all(pid is not None and process_running(pid) for pid in pids)
     kube.delete(pod_path(namespace))  # the whole collection
     wait_until(lambda: not kube.get(pod_path(namespace))["items"], 2 * WAIT_S, "all pods removed")
-    assert not any(pid_alive(pid) for pid in pids if pid is not None)
+    assert not any(process_running(pid) for pid in pids if pid is not None)
 
 
 @pytest.mark.e2e
@@ -295,3 +306,26 @@ def test_non_admin_identity_is_refused_by_rbac(cluster: LocalCluster, namespace:
     # 403, not 401: the token authenticated, RBAC refused.
     assert caught.value.status == 403
     assert "disagg-user" in str(caught.value.body) and "forbidden" in str(caught.value.body)
+
+
+@pytest.mark.e2e
+def test_up_and_down_commands(tmp_path: Path) -> None:
+    runtime = tmp_path / "runtime"
+    up = subprocess.run([sys.executable, "-m", "disagg.testing", "up", "--runtime-dir", str(runtime)],
+                        capture_output=True, text=True, timeout=300, check=False)
+    assert up.returncode == 0, up.stderr
+    state = json.loads((runtime / "state.json").read_text())
+    assert state["admin_kubeconfig"] in up.stdout and state["binaries"] in up.stdout
+    kube = Kube(Path(state["admin_kubeconfig"]))
+    try:
+        nodes = kube.get("/api/v1/nodes")["items"]
+    finally:
+        kube.close()
+    assert [n["metadata"]["name"] for n in nodes] == ["disagg-local-node"]
+    down = subprocess.run([sys.executable, "-m", "disagg.testing", "down", "--runtime-dir", str(runtime)],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert down.returncode == 0, down.stderr
+    assert not process_running(state["pid"]) and not (runtime / "state.json").exists()
+    # Nothing of that run is left: no process has the run folder on its command line.
+    leftovers = subprocess.run(["pgrep", "-f", str(runtime)], capture_output=True, text=True, check=False)
+    assert leftovers.stdout == ""
