@@ -1,0 +1,163 @@
+"""Pure builders of the objects the operator owns: worker pods and the prefill Service.
+
+Objects are the API's JSON dicts (camelCase), ready to create. Nothing here
+talks to the cluster.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+
+from disagg.operator.spec import ClusterSpec
+
+Obj = dict[str, Any]
+
+GROUP = "disagg.dev"
+LINKED_GATE = f"{GROUP}/linked"  # the readiness gate the operator sets once a pod's links are made
+CLUSTER_LABEL = f"{GROUP}/cluster"
+ROLE_LABEL = f"{GROUP}/role"
+LAYOUT_LABEL = f"{GROUP}/kv-layout"
+DRAINING_ANNOTATION = f"{GROUP}/draining-since"  # set when scale-down picks a pod; a fact that survives restarts
+
+# Every pod has its own IP, so the ports can be the same in every pod.
+HTTP_PORT = 8000
+GRPC_PORT = 7777
+TRANSFER_PORT = 26000
+CONTAINER = "worker"
+# The preStop pause keeps a terminating worker serving while the operator
+# unlinks it from its peers; endpoints drop it at once, so no new requests come.
+PRESTOP_SLEEP_S = 5
+# A cluster name becomes the Service name (a DNS-1035 label: at most 63
+# characters) and prefixes pod names; room is left for "-prefill-xxxxx".
+MAX_CLUSTER_NAME = 47
+
+
+def labels(cluster: str, role: str, spec: ClusterSpec) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "disagg",
+        "app.kubernetes.io/instance": cluster,
+        "app.kubernetes.io/component": role,
+        "app.kubernetes.io/managed-by": "disagg-operator",
+        CLUSTER_LABEL: cluster,
+        ROLE_LABEL: role,
+        LAYOUT_LABEL: spec.kv_layout,
+    }
+
+
+def pod_name(cluster: str, cluster_uid: str, role: str, slot: int) -> str:
+    """Deterministic per (cluster, role, slot) so that a retried create meets its
+    own pod (409) instead of making a twin; the hash makes it look random and
+    keeps names from clusters re-created under the same name apart."""
+    suffix = hashlib.sha256(f"{cluster_uid}/{role}/{slot}".encode()).hexdigest()[:5]
+    return f"{cluster}-{role}-{suffix}"
+
+
+def service_name(cluster: str) -> str:
+    return cluster
+
+
+def endpoint(cluster: str, namespace: str, spec: ClusterSpec) -> str:
+    return f"http://{service_name(cluster)}.{namespace}.svc:{spec.service.port}/v1"
+
+
+def worker_args(role: str, spec: ClusterSpec) -> list[str]:
+    """`disagg serve`'s arguments; `$(POD_IP)` is expanded by the kubelet."""
+    e = spec.engine
+    args = [
+        "--role", role,
+        "--model", spec.model.source,
+        "--served-model-name", spec.model.served_name,
+        "--host", "$(POD_IP)",
+        "--advertise-host", "$(POD_IP)",
+        "--http-port", str(HTTP_PORT),
+        "--grpc-port", str(GRPC_PORT),
+        "--transfer-port", str(TRANSFER_PORT),
+        "--kv-transfer-mode", spec.kv_transfer.mode,
+        "--kv-transport", spec.kv_transfer.transport,
+        "--device", e.device,
+        "--dtype", e.dtype,
+        "--block-size", str(e.block_size),
+        "--max-num-seqs", str(e.max_num_seqs),
+    ]
+    if e.num_kv_blocks is not None:
+        args += ["--num-kv-blocks", str(e.num_kv_blocks)]
+    return args + list(spec.role(role).args)
+
+
+def _env(role: str, spec: ClusterSpec) -> list[Obj]:
+    def field(name: str, path: str) -> Obj:
+        return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+    # POD_IP comes first: the user's variables may refer to it as $(POD_IP).
+    own = [field("POD_IP", "status.podIP"), field("POD_NAME", "metadata.name"),
+           field("POD_NAMESPACE", "metadata.namespace")]
+    return own + [dict(v) for v in spec.role(role).env]
+
+
+def worker_pod(owner: Mapping[str, Any], role: str, name: str, spec: ClusterSpec) -> Obj:
+    """One worker pod of `role`, owned by the DisaggCluster `owner` (its body)."""
+    cluster = owner["metadata"]["name"]
+    r = spec.role(role)
+    container: Obj = {
+        "name": CONTAINER,
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["disagg", "serve"],
+        "args": worker_args(role, spec),
+        "env": _env(role, spec),
+        "ports": [
+            {"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
+            {"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"},
+            {"name": "transfer", "containerPort": TRANSFER_PORT, "protocol": "TCP"},
+        ],
+        "resources": dict(r.resources),
+        # /ready: the model is loaded (and, for a prefill, a decode is linked).
+        "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"},
+                           "periodSeconds": 2, "timeoutSeconds": 2, "failureThreshold": 2},
+        # /health answers as soon as the server is up, long before the model loads.
+        "livenessProbe": {"httpGet": {"path": "/health", "port": "http"},
+                          "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 6},
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_S}}},
+    }
+    pod_spec: Obj = {
+        "containers": [container],
+        "restartPolicy": "Always",
+        "readinessGates": [{"conditionType": LINKED_GATE}],
+        # Draining happens before deletion; the grace period only covers preStop and shutdown.
+        "terminationGracePeriodSeconds": PRESTOP_SLEEP_S + 30,
+        "enableServiceLinks": False,
+    }
+    optional = {"nodeSelector": dict(r.node_selector), "tolerations": [dict(t) for t in r.tolerations],
+                "affinity": dict(r.affinity), "priorityClassName": r.priority_class_name}
+    pod_spec.update({k: v for k, v in optional.items() if v})
+    pod: Obj = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": labels(cluster, role, spec)},
+        "spec": pod_spec,
+    }
+    kopf.adopt(pod, owner=dict(owner))
+    return pod
+
+
+def prefill_service(owner: Mapping[str, Any], spec: ClusterSpec) -> Obj:
+    """The client endpoint: only Ready prefill pods, and Ready needs the linked gate."""
+    cluster = owner["metadata"]["name"]
+    svc: Obj = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": service_name(cluster), "labels": labels(cluster, "prefill", spec)},
+        "spec": {
+            "type": spec.service.type,
+            "selector": {CLUSTER_LABEL: cluster, ROLE_LABEL: "prefill"},
+            "ports": [{"name": "http", "port": spec.service.port, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+    # The layout label would make the Service churn on every engine edit; it selects nothing.
+    del svc["metadata"]["labels"][LAYOUT_LABEL]
+    kopf.adopt(svc, owner=dict(owner))
+    return svc
