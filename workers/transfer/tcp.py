@@ -158,9 +158,10 @@ class _Connection:
                     self._read_one()
         except FrameError as exc:
             # NOTE: after a malformed frame the byte stream cannot be resynchronised.
-            logger.warning("bad frame from %s: %s", self.peer.name, exc)
-            self._send_control(Kind.ERROR, 0, f"protocol error: {exc}")
-            self._jobs.put(lambda: self.close(f"protocol error: {exc}"))
+            reason = f"protocol error: {exc}"
+            logger.warning("bad frame from %s: %s", self.peer.name, reason)
+            self._send_control(Kind.ERROR, 0, reason)
+            self._jobs.put(lambda: self.close(reason))
         except (OSError, ConnectionError, ValueError) as exc:
             self.close(f"connection to {self.peer.name} lost: {exc}")
 
