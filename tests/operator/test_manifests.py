@@ -1,0 +1,66 @@
+"""Worker pods and the prefill Service, built offline."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from disagg.operator import manifests as m
+from disagg.operator.spec import ClusterSpec, parse_spec
+
+
+def test_pod_runs_disagg_serve_with_the_engine_args(spec: ClusterSpec, owner: Callable[..., Any]) -> None:
+    pod = m.worker_pod(owner(), "decode", "llm-decode-abcde", spec)
+    c = pod["spec"]["containers"][0]
+    assert c["command"] == ["disagg", "serve"]
+    args = c["args"]
+    assert args[args.index("--role") + 1] == "decode"
+    assert args[args.index("--model") + 1] == "builtin:smollm2-135m"
+    assert args[args.index("--block-size") + 1] == "16"
+    assert args[args.index("--host") + 1] == "$(POD_IP)"
+    assert "--num-kv-blocks" not in args
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"http": 8000, "grpc": 7777, "transfer": 26000}
+    assert c["env"][0] == {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert c["lifecycle"]["preStop"]["sleep"]["seconds"] > 0
+
+
+def test_pod_carries_gate_owner_labels_and_scheduling(owner: Callable[..., Any]) -> None:
+    spec = parse_spec({"model": {"source": "m"}, "prefill": {
+        "nodeSelector": {"gpu": "h100"}, "tolerations": [{"key": "gpu", "operator": "Exists"}],
+        "priorityClassName": "high", "resources": {"limits": {"nvidia.com/gpu": 1}},
+        "env": [{"name": "X", "value": "$(POD_IP)"}], "args": ["--seed", "7"]}})
+    pod = m.worker_pod(owner(), "prefill", "llm-prefill-abcde", spec)
+    assert pod["spec"]["readinessGates"] == [{"conditionType": "disagg.dev/linked"}]
+    ref = pod["metadata"]["ownerReferences"][0]
+    assert (ref["kind"], ref["name"], ref["uid"], ref["controller"]) == ("DisaggCluster", "llm", "uid-1", True)
+    assert pod["metadata"]["namespace"] == "ns"
+    labels = pod["metadata"]["labels"]
+    assert labels["disagg.dev/cluster"] == "llm" and labels["disagg.dev/role"] == "prefill"
+    assert labels["disagg.dev/kv-layout"] == spec.kv_layout
+    assert labels["app.kubernetes.io/component"] == "prefill"
+    assert pod["spec"]["nodeSelector"] == {"gpu": "h100"}
+    assert pod["spec"]["priorityClassName"] == "high"
+    assert pod["spec"]["containers"][0]["resources"] == {"limits": {"nvidia.com/gpu": 1}}
+    assert pod["spec"]["containers"][0]["env"][-1] == {"name": "X", "value": "$(POD_IP)"}
+    assert pod["spec"]["containers"][0]["args"][-2:] == ["--seed", "7"]
+    assert "affinity" not in pod["spec"]  # empty fields are left out
+
+
+def test_pod_names_are_deterministic_per_slot_and_distinct() -> None:
+    a = m.pod_name("llm", "uid-1", "decode", 0)
+    assert a == m.pod_name("llm", "uid-1", "decode", 0)
+    assert a.startswith("llm-decode-") and len(a) == len("llm-decode-") + 5
+    names = {m.pod_name("llm", "uid-1", role, slot) for role in ("prefill", "decode") for slot in range(50)}
+    assert len(names) == 100
+    assert m.pod_name("llm", "uid-2", "decode", 0) != a  # a re-created cluster gets new names
+
+
+def test_service_selects_only_prefills_of_the_cluster(make_spec: Callable[..., ClusterSpec], owner: Callable[..., Any]) -> None:
+    spec = make_spec()
+    svc = m.prefill_service(owner(), spec)
+    assert svc["metadata"]["name"] == "llm"
+    assert svc["spec"]["selector"] == {"disagg.dev/cluster": "llm", "disagg.dev/role": "prefill"}
+    assert svc["spec"]["ports"][0]["targetPort"] == "http"
+    assert "disagg.dev/kv-layout" not in svc["metadata"]["labels"]
+    assert m.endpoint("llm", "ns", spec) == "http://llm.ns.svc:8000/v1"

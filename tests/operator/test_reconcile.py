@@ -1,0 +1,159 @@
+"""Desired versus actual: pods to create or drain, links to make or drop, gates to flip."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from disagg.operator import manifests as m
+from disagg.operator.links import Endpoint, LinkGraph, LinkOp, LinkResult
+from disagg.operator.reconcile import PodView, plan_gates, plan_links, plan_pods, pod_view, surplus
+from disagg.operator.spec import ClusterSpec
+
+Pod = Callable[..., dict[str, Any]]
+
+
+def views_of(*pods: dict[str, Any]) -> list[PodView]:
+    return [pod_view(p) for p in pods]
+
+
+def link_all(graph: LinkGraph, views: list[PodView]) -> None:
+    """Record every planned link as made, as if every RPC succeeded."""
+    for pair, op in plan_links(views, graph, now=0.0).link:
+        graph.record_link(pair, LinkResult(op, True, "", 0.0), now=0.0)
+
+
+def test_pod_view_reads_the_api_shape(spec: ClusterSpec, served_pod: Pod) -> None:
+    v = pod_view(served_pod("decode", "d1", "127.0.0.5", spec, gate=True, restarts=2,
+                            draining="2025-01-01T00:00:10Z"))
+    assert (v.role, v.ip, v.gate, v.restarts, v.layout) == ("decode", "127.0.0.5", True, 2, spec.kv_layout)
+    assert v.running and v.containers_ready and v.is_draining and not v.is_active and not v.can_link
+    assert v.endpoint == Endpoint("d1", "uid-d1/2", "127.0.0.5")
+
+
+def test_scale_up_creates_missing_pods_with_fresh_deterministic_names(make_spec: Callable[..., ClusterSpec],
+                                                                      served_pod: Pod) -> None:
+    spec = make_spec(prefill=1, decode=3)
+    first = m.pod_name("llm", "uid-1", "decode", 0)
+    views = views_of(served_pod("decode", first, "127.0.0.2", spec))
+    plan = plan_pods(spec, "llm", "uid-1", views, {})
+    assert [r for r, _ in plan.create] == ["prefill", "decode", "decode"]
+    names = [n for _, n in plan.create]
+    assert first not in names and len(set(names)) == 3
+    # Same actual state, same plan: a retried reconcile re-creates the same names (and meets 409).
+    assert plan_pods(spec, "llm", "uid-1", views, {}) == plan
+
+
+def test_terminating_pods_are_replaced_under_a_new_name(spec: ClusterSpec, served_pod: Pod) -> None:
+    old = m.pod_name("llm", "uid-1", "decode", 0)
+    views = views_of(served_pod("prefill", "p", "127.0.0.3", spec),
+                     served_pod("decode", old, "127.0.0.2", spec, deleting=True))
+    plan = plan_pods(spec, "llm", "uid-1", views, {})
+    assert plan.create == (("decode", m.pod_name("llm", "uid-1", "decode", 1)),)
+
+
+def test_scale_down_drains_the_least_busy_and_prefers_outdated_layouts(make_spec: Callable[..., ClusterSpec],
+                                                                       served_pod: Pod) -> None:
+    spec = make_spec(prefill=1, decode=1)
+    views = views_of(served_pod("prefill", "p", "127.0.0.9", spec),
+                     served_pod("decode", "busy", "127.0.0.2", spec, gate=True),
+                     served_pod("decode", "idle", "127.0.0.3", spec, gate=True))
+    assert set(surplus(spec, views)) == {"decode"}
+    plan = plan_pods(spec, "llm", "uid-1", views, {"busy": 5.0, "idle": 1.0})
+    assert plan.drain == ("idle",) and not plan.create
+    old = make_spec(decode=1, blockSize=32)
+    views.append(pod_view(served_pod("decode", "stale", "127.0.0.4", old, gate=True)))
+    plan = plan_pods(spec, "llm", "uid-1", views, {"busy": 5.0, "idle": 0.0, "stale": 9.0})
+    assert set(plan.drain) == {"stale", "idle"}
+    # Draining pods no longer count: nothing more to do while they drain.
+    draining = views_of(served_pod("prefill", "p", "127.0.0.9", spec),
+                        served_pod("decode", "busy", "127.0.0.2", spec, gate=True),
+                        served_pod("decode", "idle", "127.0.0.3", spec, draining="2025-01-01T00:00:00Z"))
+    assert plan_pods(spec, "llm", "uid-1", draining, {}).empty
+
+
+def test_links_pair_every_decode_with_every_prefill_on_the_decode(make_spec: Callable[..., ClusterSpec],
+                                                                  served_pod: Pod) -> None:
+    spec = make_spec(prefill=2, decode=2)
+    views = views_of(served_pod("prefill", "p1", "127.0.0.11", spec, ready=False),  # waits for a link
+                     served_pod("prefill", "p2", "127.0.0.12", spec),
+                     served_pod("decode", "d1", "127.0.0.21", spec),
+                     served_pod("decode", "d2", "127.0.0.22", spec, ready=False))  # model still loading
+    plan = plan_links(views, LinkGraph(), now=0.0)
+    assert plan.desired == {("d1", "p1"), ("d1", "p2")}
+    ops = dict(plan.link)
+    assert ops[("d1", "p1")] == LinkOp(True, Endpoint("d1", "uid-d1/0", "127.0.0.21"),
+                                       Endpoint("p1", "uid-p1/0", "127.0.0.11"))
+    info = ops[("d1", "p1")].payload.cluster_info()
+    assert info.instance_name == "127.0.0.11:7777"
+    assert list(info.cluster_ids) == [(127 << 24 | 11) << 32 | 26000]
+    assert list(info.addrs) == ["127.0.0.11:26000"] and info.dp_size == 1
+
+
+def test_links_are_made_once_then_only_reasserted_on_request(spec: ClusterSpec, served_pod: Pod) -> None:
+    views = views_of(served_pod("prefill", "p", "127.0.0.11", spec), served_pod("decode", "d", "127.0.0.21", spec))
+    graph = LinkGraph()
+    link_all(graph, views)
+    assert not plan_links(views, graph, now=1.0).link
+    assert len(plan_links(views, graph, now=1.0, reassert=True).link) == 1
+
+
+def test_failed_links_back_off(spec: ClusterSpec, served_pod: Pod) -> None:
+    views = views_of(served_pod("prefill", "p", "127.0.0.11", spec), served_pod("decode", "d", "127.0.0.21", spec))
+    graph = LinkGraph()
+    (pair, op), = plan_links(views, graph, now=0.0).link
+    graph.record_link(pair, LinkResult(op, False, "UNAVAILABLE: refused", 0.0), now=0.0)
+    graph.record_link(pair, LinkResult(op, False, "UNAVAILABLE: refused", 0.0), now=0.0)
+    assert graph.failures[pair].attempts == 2
+    assert not plan_links(views, graph, now=0.5).link  # backoff: 0.5 s, then 1 s
+    assert plan_links(views, graph, now=1.0).link
+
+
+def test_dead_or_restarted_peers_are_unlinked_on_the_side_still_alive(spec: ClusterSpec, served_pod: Pod) -> None:
+    p, d = served_pod("prefill", "p", "127.0.0.11", spec), served_pod("decode", "d", "127.0.0.21", spec)
+    graph = LinkGraph()
+    link_all(graph, views_of(p, d))
+    dying = views_of(served_pod("prefill", "p", "127.0.0.11", spec, deleting=True), d)
+    plan = plan_links(dying, graph, now=0.0)
+    ((pair, ops),) = plan.unlink
+    assert pair == ("d", "p") and [(o.link, o.target.pod, o.payload.pod) for o in ops] == [(False, "d", "p")]
+    assert not plan.link and not plan.desired
+    # A restarted decode forgot its links: unlink its old incarnation from the prefill, link it again.
+    restarted = views_of(p, served_pod("decode", "d", "127.0.0.21", spec, restarts=1))
+    plan = plan_links(restarted, graph, now=0.0)
+    assert [o.target.pod for _, ops in plan.unlink for o in ops] == ["p"]
+    assert [op.target.incarnation for _, op in plan.link] == ["uid-d/1"]
+
+
+def test_layout_mismatch_never_links(make_spec: Callable[..., ClusterSpec], served_pod: Pod) -> None:
+    new = make_spec(blockSize=32)
+    views = views_of(served_pod("prefill", "p", "127.0.0.11", make_spec()), served_pod("decode", "d", "127.0.0.21", new))
+    plan = plan_links(views, LinkGraph(), now=0.0)
+    assert not plan.link and not plan.desired
+    assert [(d, p) for d, _, p, _ in plan.mismatched] == [("d", "p")]
+
+
+def test_gates_open_when_all_links_are_made_and_close_on_drain(spec: ClusterSpec, served_pod: Pod,
+                                                              make_spec: Callable[..., ClusterSpec]) -> None:
+    views = views_of(served_pod("prefill", "p", "127.0.0.11", spec), served_pod("decode", "d", "127.0.0.21", spec))
+    graph = LinkGraph()
+    desired = plan_links(views, graph, now=0.0).desired
+    assert plan_gates(views, graph, desired) == []  # nothing linked yet: both stay closed
+    link_all(graph, views)
+    assert {(f.pod, f.linked) for f in plan_gates(views, graph, desired)} == {("p", True), ("d", True)}
+    # A new decode being linked does not take the serving prefill out of routing.
+    two = views_of(served_pod("prefill", "p", "127.0.0.11", spec, gate=True),
+                   served_pod("decode", "d", "127.0.0.21", spec, gate=True),
+                   served_pod("decode", "d2", "127.0.0.22", spec))
+    assert plan_gates(two, graph, plan_links(two, graph, now=0.0).desired) == []
+    link_all(graph, two)
+    drained = views_of(served_pod("prefill", "p", "127.0.0.11", spec, gate=True),
+                       served_pod("decode", "d", "127.0.0.21", spec, gate=True, draining="2025-01-01T00:00:00Z"),
+                       served_pod("decode", "d2", "127.0.0.22", spec, gate=True))
+    flips = plan_gates(drained, graph, plan_links(drained, graph, now=0.0).desired)
+    assert [(f.pod, f.linked, f.reason) for f in flips] == [("d", False, "Draining")]
+    # With its last decode draining, a prefill cannot serve: it leaves routing too.
+    alone = views_of(served_pod("prefill", "p", "127.0.0.11", spec, gate=True),
+                     served_pod("decode", "d", "127.0.0.21", spec, gate=True, draining="2025-01-01T00:00:00Z"))
+    flips = plan_gates(alone, graph, plan_links(alone, graph, now=0.0).desired)
+    assert {(f.pod, f.reason) for f in flips} == {("p", "NotLinked"), ("d", "Draining")}
