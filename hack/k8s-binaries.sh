@@ -4,8 +4,10 @@
 # and helm (helm.sh/helm/v3), from their Go modules, into a cache outside the
 # repository. Rebuilds only what is missing. Prints the binary folder last.
 #
-# KUBEBUILDER_ASSETS, when it names a folder that already holds the three
-# control-plane binaries, is used as it is (envtest's convention).
+# KUBEBUILDER_ASSETS (envtest's convention) is honoured per binary: one it
+# holds is not built (envtest's folders have etcd and kube-apiserver but no
+# kube-controller-manager, which is then built here). The caller looks in
+# KUBEBUILDER_ASSETS first, then in the printed folder.
 set -euo pipefail
 
 KUBE_VERSION=${KUBE_VERSION:-v1.36.3}
@@ -21,15 +23,20 @@ export GOFLAGS="${GOFLAGS:--trimpath}" CGO_ENABLED=0
 
 log() { echo "[k8s-binaries] $*" >&2; }
 
-if [ -n "${KUBEBUILDER_ASSETS:-}" ] && [ -x "$KUBEBUILDER_ASSETS/kube-apiserver" ] \
-  && [ -x "$KUBEBUILDER_ASSETS/etcd" ]; then
-  BIN=$KUBEBUILDER_ASSETS
-fi
 mkdir -p "$BIN" "$WORK"
+# One build at a time per cache (test sessions may start together).
+exec 9>"$CACHE/.build.lock"
+flock 9
+
+# have NAME: the binary is in KUBEBUILDER_ASSETS or already built.
+have() {
+  { [ -n "${KUBEBUILDER_ASSETS:-}" ] && [ -x "$KUBEBUILDER_ASSETS/$1" ]; } || [ -x "$BIN/$1" ]
+}
 
 # A wrapper module that requires k8s.io/kubernetes and points every staging
 # module (the repo's own replace => ./staging/...) at its published version.
 build_kube() {
+  have kube-apiserver && have kube-controller-manager && return
   local dir=$WORK/kube-$KUBE_VERSION
   mkdir -p "$dir"
   if [ ! -f "$dir/go.sum" ]; then
@@ -66,7 +73,7 @@ GO
   local ldflags="-s -w -X $pkg.gitVersion=$KUBE_VERSION -X $pkg.gitMajor=$major -X $pkg.gitMinor=$minor -X $pkg.gitTreeState=clean -X $pkg.buildDate=$(date -u +%Y-%m-%dT%H:%M:%SZ)"
   ldflags="$ldflags -X k8s.io/client-go/pkg/version.gitVersion=$KUBE_VERSION"
   for cmd in kube-apiserver kube-controller-manager; do
-    if [ ! -x "$BIN/$cmd" ]; then
+    if ! have "$cmd"; then
       log "building $cmd $KUBE_VERSION"
       (cd "$dir" && go build -ldflags "$ldflags" -o "$BIN/$cmd.tmp" "k8s.io/kubernetes/cmd/$cmd")
       mv "$BIN/$cmd.tmp" "$BIN/$cmd"
@@ -75,7 +82,7 @@ GO
 }
 
 build_etcd() {
-  [ -x "$BIN/etcd" ] && return
+  have etcd && return
   local dir=$WORK/etcd-$ETCD_VERSION
   mkdir -p "$dir"
   if [ ! -f "$dir/go.sum" ]; then
@@ -89,7 +96,7 @@ build_etcd() {
 }
 
 build_helm() {
-  [ -x "$BIN/helm" ] && return
+  have helm && return
   local dir=$WORK/helm-$HELM_VERSION
   mkdir -p "$dir"
   if [ ! -f "$dir/go.sum" ]; then
@@ -103,9 +110,7 @@ build_helm() {
   mv "$BIN/helm.tmp" "$BIN/helm"
 }
 
-if [ "$BIN" != "${KUBEBUILDER_ASSETS:-}" ]; then
-  build_etcd
-  build_kube
-fi
+build_etcd
+build_kube
 build_helm
 echo "$BIN"
