@@ -16,7 +16,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Generator
-from typing import Any, Protocol
+from typing import Any
 
 import uvicorn
 
@@ -33,30 +33,15 @@ class RoleNotAvailable(Exception):
     """The role exists in the CLI but this build cannot run it yet."""
 
 
-class Closeable(Protocol):
-    def close(self) -> None:
-        """Stop the role's background work and release its resources."""
-        ...
+# What a role runs: builds its backend (blocking: it loads the model). The
+# role picks its builder here, and only here.
+BackendBuilder = Callable[[EngineConfig, ServerConfig], Backend]
 
 
-# What a role runs: builds its backend (blocking: it loads the model) and
-# whatever must be closed at shutdown. The role picks its builder here, and
-# only here.
-BackendBuilder = Callable[[EngineConfig, ServerConfig], tuple[Backend, Closeable]]
+def _build_mixed(engine_config: EngineConfig, server_config: ServerConfig) -> Backend:
+    from disagg.workers.http.backend import LocalEngineBackend
 
-
-def _build_mixed(engine_config: EngineConfig, server_config: ServerConfig) -> tuple[Backend, Closeable]:
-    from disagg.workers.engine.async_engine import AsyncEngine
-    from disagg.workers.http.backend import LocalEngineBackend, ModelInfo
-
-    engine = AsyncEngine.from_config(engine_config)
-    model = ModelInfo(
-        name=server_config.served_model_name or engine_config.model,
-        source=engine_config.model,
-        max_model_len=engine.max_model_len,
-        vocab_size=engine.vocab_size,
-    )
-    return LocalEngineBackend(engine, engine.tokenizer, model), engine
+    return LocalEngineBackend.from_config(engine_config, server_config.served_model_name)
 
 
 BACKEND_BUILDERS: dict[Role, BackendBuilder] = {Role.MIXED: _build_mixed}
@@ -115,7 +100,7 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig, builde
         log.info("stopped before the model finished loading")
         return _exit_code(http_task)
     try:
-        backend, closeable = load_task.result()
+        backend = load_task.result()
     except Exception as exc:  # a bad model source or config: report it and stop
         log.error("cannot start the %s role: %s", server_config.role.value, exc)
         http.should_exit = True
@@ -127,34 +112,35 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig, builde
     try:
         await http_task
     finally:
-        closeable.close()
+        backend.close()
     return _exit_code(http_task)
 
 
-def _in_daemon_thread(fn: BackendBuilder, *args: Any) -> asyncio.Future[tuple[Backend, Closeable]]:
+def _in_daemon_thread(fn: BackendBuilder, *args: Any) -> asyncio.Future[Backend]:
     """Run a blocking call in a daemon thread (asyncio.to_thread's threads
     would keep the process alive until a model load ends)."""
     loop = asyncio.get_running_loop()
-    future: asyncio.Future[tuple[Backend, Closeable]] = loop.create_future()
+    future: asyncio.Future[Backend] = loop.create_future()
 
-    def settle(result: tuple[Backend, Closeable] | None, exc: BaseException | None) -> None:
+    def settle(result: Backend | None, exc: BaseException | None) -> None:
         if future.done():
             return
         if exc is not None:
             future.set_exception(exc)
         else:
-            future.set_result(result)  # type: ignore[arg-type]
+            assert result is not None, "a builder returns a backend or raises"
+            future.set_result(result)
 
     def target() -> None:
+        result: Backend | None = None
+        error: BaseException | None = None
         try:
             result = fn(*args)
         except BaseException as exc:  # handed to the loop, which reports it
-            outcome: tuple[tuple[Backend, Closeable] | None, BaseException | None] = (None, exc)
-        else:
-            outcome = (result, None)
+            error = exc
         # NOTE: the loop may already be closed when a load ends after shutdown.
         with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(settle, *outcome)
+            loop.call_soon_threadsafe(settle, result, error)
 
     threading.Thread(target=target, name="load-model", daemon=True).start()
     return future

@@ -79,7 +79,7 @@ def baseline_free_blocks(served: Any) -> Iterator[Callable[[], float]]:
 
 
 def _settle(read: Callable[[], float], target: float) -> float:
-    """Poll until the free count reaches `target` (aborts finish asynchronously), bounded."""
+    """Poll a metric until it reaches `target` (aborts finish asynchronously), bounded."""
     deadline = time.monotonic() + SETTLE_TIMEOUT_S
     value = read()
     while value != target and time.monotonic() < deadline:
@@ -124,6 +124,7 @@ def test_disconnected_stream_frees_its_blocks(
     served: Any, http: httpx.Client, baseline_free_blocks: Callable[[], float]
 ) -> None:
     start = baseline_free_blocks()
+    aborted = _aborted_requests(http)
     body = _completion(prompt="Hello world! " * 8, max_tokens=400, n=2, stream=True, temperature=0, ignore_eos=True)
     with httpx.Client(base_url=served.base_url, timeout=60.0) as streamer:
         with streamer.stream("POST", COMPLETIONS, json=body) as response:
@@ -132,18 +133,24 @@ def test_disconnected_stream_frees_its_blocks(
             assert next(line for line in lines if line.startswith("data: ")).startswith("data: {")
         # Leaving the block closes the connection mid-stream.
     assert _settle(baseline_free_blocks, start) == start
-    running = http.get("/metrics").text
-    assert "\ndisagg_requests_running 0.0" in running
-    assert 'disagg_requests_total{role="mixed",status="aborted"}' in running
+    assert "\ndisagg_requests_running 0.0" in http.get("/metrics").text
+    assert _settle(lambda: _aborted_requests(http), aborted + 1) == aborted + 1
+
+
+def _aborted_requests(http: httpx.Client) -> float:
+    prefix = 'disagg_requests_total{role="mixed",status="aborted"} '
+    return float(next(line[len(prefix):] for line in http.get("/metrics").text.splitlines() if line.startswith(prefix)))
 
 
 def test_disconnected_whole_request_frees_its_blocks(
-    served: Any, baseline_free_blocks: Callable[[], float]
+    served: Any, http: httpx.Client, baseline_free_blocks: Callable[[], float]
 ) -> None:
     start = baseline_free_blocks()
+    aborted = _aborted_requests(http)
     body = _completion(max_tokens=500, temperature=0, ignore_eos=True)
     # A client that gives up long before 500 tokens on a CPU are done.
     with httpx.Client(base_url=served.base_url, timeout=httpx.Timeout(60.0, read=0.3)) as impatient:
         with pytest.raises(httpx.ReadTimeout):
             impatient.post(COMPLETIONS, json=body)
     assert _settle(baseline_free_blocks, start) == start
+    assert _settle(lambda: _aborted_requests(http), aborted + 1) == aborted + 1

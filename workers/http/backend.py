@@ -15,6 +15,7 @@ from disagg.workers.metrics import EngineStats
 
 if TYPE_CHECKING:
     from disagg.workers.engine.async_engine import AsyncEngine
+    from disagg.workers.engine.config import EngineConfig
     from disagg.workers.engine.outputs import RequestOutput
     from disagg.workers.engine.sampling_params import SamplingParams
     from disagg.workers.engine.tokenizer import Tokenizer
@@ -76,6 +77,10 @@ class Backend(Protocol):
         """Stop a live request and free its resources; no-op for an unknown id."""
         ...
 
+    def close(self) -> None:
+        """Stop the backend's background work (at shutdown); fails open streams."""
+        ...
+
 
 class LocalEngineBackend:
     """The mixed role: every request runs on this process's engine."""
@@ -84,6 +89,24 @@ class LocalEngineBackend:
         self._engine = engine
         self._tokenizer = tokenizer
         self._model = model
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, served_model_name: str | None) -> LocalEngineBackend:
+        """Load the model (blocking, for seconds to minutes) and start the engine thread."""
+        from disagg.workers.engine.async_engine import AsyncEngine
+        from disagg.workers.engine.llm_engine import LLMEngine
+
+        llm = LLMEngine.from_config(config)
+        assert llm.tokenizer is not None, "LLMEngine.from_config loads the model's tokenizer"
+        model = ModelInfo(
+            name=served_model_name or config.model,
+            source=config.model,
+            max_model_len=llm.max_model_len,
+            vocab_size=llm.model_config.vocab_size,
+        )
+        engine = AsyncEngine(llm)
+        engine.start()
+        return cls(engine, llm.tokenizer, model)
 
     @property
     def model(self) -> ModelInfo:
@@ -94,10 +117,13 @@ class LocalEngineBackend:
         return self._tokenizer
 
     def ready(self) -> tuple[bool, str]:
+        if not self._engine.is_running:
+            return False, "the engine has stopped"
         return True, ""
 
     def stats(self) -> EngineStats:
-        return self._engine.stats()
+        s = self._engine.stats()
+        return EngineStats(s.num_blocks_total, s.num_blocks_free, s.num_running, s.num_waiting)
 
     def generate(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
@@ -105,4 +131,7 @@ class LocalEngineBackend:
         return self._engine.generate(request_id, list(prompt_token_ids), params)
 
     async def abort(self, request_id: str) -> None:
-        await self._engine.abort(request_id)
+        self._engine.abort(request_id)
+
+    def close(self) -> None:
+        self._engine.shutdown()

@@ -245,7 +245,12 @@ class Server:
             token = self.tokenizer.token_text(lp.token_id)
             result.tokens.append(token)
             result.token_logprobs.append(lp.logprob)
-            result.top_logprobs.append({self.tokenizer.token_text(t): v for t, v in lp.top})
+            top: dict[str, float] = {}
+            for token_id, logprob in lp.top:
+                # NOTE: distinct tokens can share a text (byte pieces all read
+                # as U+FFFD); the format keys by text, so the likelier one stays.
+                top.setdefault(self.tokenizer.token_text(token_id), logprob)
+            result.top_logprobs.append(top)
             result.text_offset.append(text_offset)
             text_offset += len(token)
         return result
