@@ -13,6 +13,7 @@ import threading
 import time
 import uuid
 from abc import abstractmethod
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -27,7 +28,7 @@ from disagg.workers.transfer.base import (
     TransferTimeout,
 )
 from disagg.workers.transfer.handshake import Hello, Reply, recv_hello, recv_reply, send_hello, send_reply
-from disagg.workers.transfer.wire import supported_checksums
+from disagg.workers.transfer.wire import ChecksumKind, supported_checksums
 
 logger = logging.getLogger(__name__)
 
@@ -51,12 +52,23 @@ class LinkedTransport(KVTransport):
         grpc_address: str,
         num_connections: int = 4,
         io_timeout: float = 30.0,
+        checksums: Sequence[ChecksumKind] | None = None,
     ) -> None:
+        """
+        Args:
+            num_connections: sockets per session this side opens in `connect`.
+            io_timeout: bound on any single socket wait inside a frame or handshake.
+            checksums: kinds this side accepts, best first (default: all it can
+                compute; ChecksumKind.NONE only when asked for, e.g. to measure its cost).
+        """
         super().__init__(pool, layout, instance_name, grpc_address)
         if not 1 <= num_connections <= 64:
             raise ValueError(f"num_connections must be in 1..64, got {num_connections}")
         self.num_connections = num_connections
         self.io_timeout = io_timeout
+        self.checksums = list(checksums) if checksums is not None else supported_checksums()
+        if not self.checksums:
+            raise ValueError("at least one checksum kind is needed (ChecksumKind.NONE turns checking off)")
         self._listener: socket.socket | None = None
         self._sessions: dict[str, TransferSession] = {}
         # session id -> (first seen, {connection index: (its hello, its socket)})
@@ -106,7 +118,7 @@ class LinkedTransport(KVTransport):
                 socks.append(sock)
                 hello = Hello(
                     self.identity, self.name, session_id, index, self.num_connections,
-                    [int(kind) for kind in supported_checksums()], self._hello_extras() if index == 0 else {},
+                    [int(kind) for kind in self.checksums], self._hello_extras() if index == 0 else {},
                 )
                 send_hello(sock, hello)
             replies = [recv_reply(sock, timeout) for sock in socks]
@@ -194,7 +206,7 @@ class LinkedTransport(KVTransport):
                 send_reply(sock, Reply(False, reason))
                 sock.close()
                 return
-            checksum = next((k for k in supported_checksums() if int(k) in hello.checksums), None)
+            checksum = next((k for k in self.checksums if int(k) in hello.checksums), None)
             if checksum is None:
                 send_reply(sock, Reply(False, f"no common checksum in {hello.checksums}"))
                 sock.close()

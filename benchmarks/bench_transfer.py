@@ -1,0 +1,241 @@
+"""KV transfer throughput of the `tcp` transport between two processes (a script, not a test).
+
+For several block sizes and layer counts it moves the same random blocks of
+every layer (PUSH: layer by layer, then a flush) and compares with
+
+- single-thread memcpy of the same runs in one process (goal: >= 1/2 of it),
+- Mooncake Transfer Engine's TCP transport on the same blocks (goal: >= 2x),
+  from PyPI `mooncake-transfer-engine-non-cuda` (its import needs Debian's
+  `libibverbs1` even for TCP); when it cannot run, the reason is printed.
+
+    .venv/bin/python benchmarks/bench_transfer.py [--repeats 3] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import random
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+
+from disagg.workers.transfer import KVLayout, KVTransport, TransferSession, create_transport
+from disagg.workers.transfer.base import BlockRun, merge_runs
+from disagg.workers.transfer.wire import ChecksumKind
+
+BASE = KVLayout("bench", "float16", num_layers=8, num_blocks=64, block_size=16, num_kv_heads=8, head_dim=128)
+BLOCKS_PER_REQUEST = 48
+WAIT_S = 120.0
+
+
+# ---- child processes (the receiving side) ------------------------------------
+
+
+def child_decode(layout: KVLayout) -> None:
+    """Our decode: each "link ADDRESS CONNS CHECKSUM NAME" opens one more session."""
+    pool = torch.zeros(layout.shape, dtype=layout.torch_dtype)
+    transports: list[KVTransport] = []
+    print("ready", flush=True)
+    for line in sys.stdin:
+        command, *args = line.split()
+        if command != "link":
+            break
+        address, conns, checksum, name = args
+        transports.append(create_transport("tcp", pool, layout, name, name, num_connections=int(conns),
+                                           checksums=[ChecksumKind[checksum]]))
+        transports[-1].connect(address, timeout=WAIT_S)
+        print("linked", flush=True)
+    for transport in transports:
+        transport.close()
+
+
+def child_mooncake(layout: KVLayout) -> None:
+    """Mooncake's target: registers a pool and prints its address; exits on stdin EOF."""
+    from mooncake.engine import TransferEngine
+
+    pool = torch.zeros(layout.shape, dtype=layout.torch_dtype)
+    engine = TransferEngine()
+    if engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
+        raise RuntimeError("mooncake TransferEngine.initialize failed")
+    if engine.register_memory(pool.data_ptr(), layout.pool_bytes) != 0:
+        raise RuntimeError("mooncake register_memory failed")
+    print("ready", engine.get_rpc_port(), pool.data_ptr(), flush=True)
+    sys.stdin.read()
+
+
+class Child:
+    def __init__(self, role: str, layout: KVLayout) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--child", role, "--layout", json.dumps(layout.to_dict())],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        self.first = self.line()
+
+    def line(self) -> str:
+        assert self.proc.stdout is not None, "stdout is piped"
+        line = self.proc.stdout.readline().strip()
+        if not line:
+            assert self.proc.stderr is not None, "stderr is piped"
+            tail = self.proc.stderr.read()[-600:]
+            raise RuntimeError(f"child exited ({self.proc.wait(10)}): {tail}")
+        return line
+
+    def send(self, line: str) -> str:
+        assert self.proc.stdin is not None, "stdin is piped"
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        return self.line()
+
+    def stop(self) -> None:
+        assert self.proc.stdin is not None, "stdin is piped"
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+# ---- measurements ---------------------------------------------------------------
+
+
+def interleaved(runs: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
+    """Median seconds of each run, measured in rounds so that load on a shared machine hits all alike."""
+    samples: dict[str, list[float]] = {name: [] for name in runs}
+    for round_ in range(repeats + 1):  # round 0 warms up (first touch of pages, connections)
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            if round_:
+                samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(times) for name, times in samples.items()}
+
+
+def memcpy_run(layout: KVLayout, src: torch.Tensor, runs: list[BlockRun]) -> Callable[[], None]:
+    dst = torch.zeros_like(src)
+
+    def run() -> None:
+        base_src, base_dst = src.data_ptr(), dst.data_ptr()
+        for layer in range(layout.num_layers):
+            for r in runs:
+                ctypes.memmove(base_dst + layout.block_offset(layer, r.dst),
+                               base_src + layout.block_offset(layer, r.src), r.count * layout.block_bytes)
+
+    return run
+
+
+def ours_run(session: TransferSession, layers: int, pairs: tuple[list[int], list[int]]) -> Callable[[], None]:
+    def run() -> None:
+        for layer in range(layers):
+            session.push(layer, *pairs)
+        session.flush(WAIT_S)
+
+    return run
+
+
+def mooncake_run(layout: KVLayout, src: torch.Tensor, runs: list[BlockRun], child: Child) -> Callable[[], None]:
+    """A Mooncake TCP batch write of the same runs into the child's registered pool."""
+    from mooncake.engine import TransferEngine
+
+    _, port, remote = child.first.split()
+    engine = TransferEngine()
+    if engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
+        raise RuntimeError("mooncake TransferEngine.initialize failed")
+    if engine.register_memory(src.data_ptr(), layout.pool_bytes) != 0:
+        raise RuntimeError("mooncake register_memory failed")
+    target, base = f"127.0.0.1:{port}", int(remote)
+    sources, targets, lengths = [], [], []
+    for layer in range(layout.num_layers):
+        for r in runs:
+            sources.append(src.data_ptr() + layout.block_offset(layer, r.src))
+            targets.append(base + layout.block_offset(layer, r.dst))
+            lengths.append(r.count * layout.block_bytes)
+
+    def run() -> None:
+        if engine.batch_transfer_sync_write(target, sources, targets, lengths) != 0:
+            raise RuntimeError("mooncake batch_transfer_sync_write failed")
+
+    return run
+
+
+def start_mooncake(layout: KVLayout) -> Child | str:
+    """Mooncake's target process, or why it cannot run here."""
+    try:
+        import mooncake.engine  # noqa: F401  (the import is what needs libibverbs1)
+    except ImportError as exc:
+        return (f"mooncake not importable: {exc} "
+                "(pip install mooncake-transfer-engine-non-cuda; apt-get install libibverbs1)")
+    try:
+        return Child("mooncake", layout)
+    except RuntimeError as exc:
+        return f"mooncake target failed: {exc}"
+
+
+def bench_layout(layout: KVLayout, repeats: int, variants: list[tuple[int, str]]) -> None:
+    rng = random.Random(0)
+    pairs = (rng.sample(range(layout.num_blocks), BLOCKS_PER_REQUEST),
+             rng.sample(range(layout.num_blocks), BLOCKS_PER_REQUEST))
+    runs = merge_runs(*pairs)
+    nbytes = layout.num_layers * BLOCKS_PER_REQUEST * layout.block_bytes
+    src = torch.randn(layout.shape).to(layout.torch_dtype)
+    prefill = create_transport("tcp", src, layout, "prefill", "prefill",
+                               checksums=[ChecksumKind.XXH3, ChecksumKind.CRC32, ChecksumKind.NONE])
+    address = prefill.start("127.0.0.1", 0)
+    decode = Child("decode", layout)
+    mooncake = start_mooncake(layout)
+    try:
+        candidates = {"memcpy (1 thread)": memcpy_run(layout, src, runs)}
+        if isinstance(mooncake, Child):
+            candidates["mooncake tcp"] = mooncake_run(layout, src, runs, mooncake)
+        for i, (conns, checksum) in enumerate(variants):
+            assert decode.send(f"link {address} {conns} {checksum} decode-{i}") == "linked"
+            session = prefill.session(f"decode-{i}", timeout=WAIT_S)
+            candidates[f"ours tcp conns={conns} {checksum}"] = ours_run(session, layout.num_layers, pairs)
+        seconds = interleaved(candidates, repeats)
+    finally:
+        decode.stop()
+        if isinstance(mooncake, Child):
+            mooncake.stop()
+        prefill.close()
+    rate = {name: nbytes / s / 1e9 for name, s in seconds.items()}
+    print(f"\nblock_size={layout.block_size} ({layout.block_bytes >> 10} KiB/block) layers={layout.num_layers} "
+          f"moved={nbytes / 2**20:.0f} MiB per request in {len(runs)} runs/layer")
+    if isinstance(mooncake, str):
+        print(f"  mooncake tcp: n/a: {mooncake}")
+    for name, gbps in rate.items():
+        ratios = f"{gbps / rate['memcpy (1 thread)']:5.2f}x memcpy"
+        if "mooncake tcp" in rate:
+            ratios += f"  {gbps / rate['mooncake tcp']:5.2f}x mooncake"
+        print(f"  {name:26s} {gbps:6.2f} GB/s  {ratios}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="one layout, fewer variants")
+    parser.add_argument("--child", choices=["decode", "mooncake"], help=argparse.SUPPRESS)
+    parser.add_argument("--layout", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    if args.child:
+        layout = KVLayout.from_dict(json.loads(args.layout))
+        (child_decode if args.child == "decode" else child_mooncake)(layout)
+        return
+    layouts = [replace(BASE, block_size=bs, num_layers=layers) for bs in (16, 64) for layers in (8, 24)]
+    variants = [(1, "XXH3"), (2, "XXH3"), (4, "XXH3"), (2, "CRC32"), (2, "NONE")]
+    if args.quick:
+        layouts, variants = layouts[:1], variants[:2]
+    print(f"torch {torch.__version__}, {BLOCKS_PER_REQUEST} random blocks per request, median of {args.repeats}")
+    for layout in layouts:
+        bench_layout(layout, args.repeats, variants)
+
+
+if __name__ == "__main__":
+    main()
