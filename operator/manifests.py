@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import kopf
 
@@ -140,7 +140,7 @@ def worker_pod(owner: Mapping[str, Any], role: str, name: str, spec: ClusterSpec
         "metadata": {"name": name, "labels": labels(cluster, role, spec)},
         "spec": pod_spec,
     }
-    kopf.adopt(pod, owner=dict(owner))
+    kopf.adopt(pod, owner=kopf.Body(cast(kopf.RawBody, dict(owner))))
     return pod
 
 
@@ -159,5 +159,5 @@ def prefill_service(owner: Mapping[str, Any], spec: ClusterSpec) -> Obj:
     }
     # The layout label would make the Service churn on every engine edit; it selects nothing.
     del svc["metadata"]["labels"][LAYOUT_LABEL]
-    kopf.adopt(svc, owner=dict(owner))
+    kopf.adopt(svc, owner=kopf.Body(cast(kopf.RawBody, dict(owner))))
     return svc

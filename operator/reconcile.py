@@ -163,11 +163,13 @@ class LinkPlan:
     mismatched: tuple[tuple[str, str, str, str], ...] = ()  # (decode, its layout, prefill, its layout)
 
 
-def plan_links(views: Sequence[PodView], graph: LinkGraph, now: float, reassert: bool = False) -> LinkPlan:
+def plan_links(views: Sequence[PodView], graph: LinkGraph, now: float, reassert: bool = False,
+               keep: frozenset[str] = frozenset()) -> LinkPlan:
     """Every linkable decode with every linkable prefill of the same KV layout.
 
-    Stale edges (a peer gone, draining, restarted or replaced) are unlinked on
-    whichever side is still alive. Missing links are made when their backoff
+    Stale edges (a peer gone, restarted or replaced) are unlinked on whichever
+    side is still alive, except edges of the pods in `keep` (draining: their
+    drain unlinks them once idle). Missing links are made when their backoff
     allows; `reassert` re-sends existing ones too (they are idempotent).
     """
     by_name = {v.name: v for v in views}
@@ -188,7 +190,7 @@ def plan_links(views: Sequence[PodView], graph: LinkGraph, now: float, reassert:
 
     unlink = []
     for pair, edge in graph.edges.items():
-        if pair in desired and desired[pair] == (edge.decode, edge.prefill):
+        if pair in desired and desired[pair] == (edge.decode, edge.prefill) or keep.intersection(pair):
             continue
         ops = []
         if alive(edge.decode):

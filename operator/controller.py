@@ -1,0 +1,189 @@
+"""One reconcile pass of a DisaggCluster: read the state, plan with reconcile.py, act.
+
+A `ClusterController` holds what the operator remembers about one cluster
+between passes (the link graph, running drains): ephemeral state, rebuilt
+after a restart by re-asserting links. Facts (pods, gates, the draining
+annotation, the status) live in the API. Passes of one cluster never overlap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import kopf
+
+from disagg.operator import manifests as m
+from disagg.operator.drain import drain, in_flight
+from disagg.operator.kube import KubeApi
+from disagg.operator.links import LinkClient, LinkGraph
+from disagg.operator.metrics import OperatorMetrics
+from disagg.operator.reconcile import (
+    PodView,
+    plan_gates,
+    plan_links,
+    plan_pods,
+    stale_failures,
+    surplus,
+)
+from disagg.operator.settings import OperatorSettings
+from disagg.operator.spec import ROLES, ClusterSpec, parse_spec
+from disagg.operator.status import build_status, status_changed
+
+log = logging.getLogger(__name__)
+
+
+def _now_iso() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass
+class Deps:
+    """The operator-wide clients every controller shares (kept in kopf's memo)."""
+
+    settings: OperatorSettings
+    kube: KubeApi
+    links: LinkClient
+    http: httpx.AsyncClient
+    metrics: OperatorMetrics
+
+
+@dataclass
+class ClusterController:
+    namespace: str
+    name: str
+    deps: Deps
+    graph: LinkGraph = field(default_factory=LinkGraph)
+    drains: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    wakeup: asyncio.Event = field(default_factory=asyncio.Event)
+    last_reassert: float = 0.0
+    service_generation: int | None = None
+    reported: set[tuple[str, ...]] = field(default_factory=set)  # Events already posted, not to repeat them
+    body: kopf.Body = field(default_factory=lambda: kopf.Body({}))
+    views: list[PodView] = field(default_factory=list)
+
+    def wake(self) -> None:
+        self.wakeup.set()
+
+    def _event(self, kind: str, reason: str, message: str, key: tuple[str, ...] | None = None) -> None:
+        if key is not None:
+            if key in self.reported:
+                return
+            self.reported.add(key)
+        kopf.event(self.body, type=kind, reason=reason, message=message)
+
+    async def reconcile(self, body: kopf.Body, views: Iterable[PodView]) -> float:
+        """One pass; returns how long until the next one is due."""
+        self.body, self.views = body, list(views)
+        spec = parse_spec(body.get("spec") or {})
+        if len(self.name) > m.MAX_CLUSTER_NAME:
+            raise kopf.PermanentError(f"the name must be at most {m.MAX_CLUSTER_NAME} characters (it names the Service)")
+        generation = int(body["metadata"].get("generation") or 0)
+        if self.service_generation != generation:
+            await self.deps.kube.apply_service(self.namespace, m.prefill_service(body, spec))
+            self.service_generation = generation
+        await self._scale(spec)
+        plan = await self._link()
+        for flip in plan_gates(self.views, self.graph, plan.desired):
+            await self.deps.kube.set_pod_condition(self.namespace, flip.pod, {
+                "type": m.LINKED_GATE, "status": "True" if flip.linked else "False",
+                "reason": flip.reason, "message": flip.message, "lastTransitionTime": _now_iso()})
+        self._start_drains(spec)
+        status = build_status(self.name, self.namespace, generation, spec, self.views, self.graph, plan,
+                              body.get("status") or {}, _now_iso())
+        if status_changed(status, body.get("status") or {}):
+            await self.deps.kube.patch_status(self.namespace, self.name, status)
+        self._export(plan.desired, len(plan.mismatched))
+        due = self.graph.next_due()
+        resync = self.deps.settings.resync_s
+        return resync if due is None else max(0.05, min(resync, due - time.monotonic()))
+
+    async def _scale(self, spec: ClusterSpec) -> None:
+        load: dict[str, float] = {}
+        candidates = [v for vs in surplus(spec, self.views).values() for v in vs if v.ip]
+        counts = await asyncio.gather(*(in_flight(self.deps.http, v.ip) for v in candidates))
+        load = {v.name: c for v, c in zip(candidates, counts) if c is not None}
+        plan = plan_pods(spec, self.name, self.body["metadata"]["uid"], self.views, load)
+        for role, name in plan.create:
+            await self.deps.kube.create_pod(self.namespace, m.worker_pod(self.body, role, name, spec))
+        for name in plan.drain:
+            await self.deps.kube.annotate_pod(self.namespace, name, {m.DRAINING_ANNOTATION: _now_iso()})
+            self._event("Normal", "Draining", f"pod {name} leaves routing and finishes its requests before deletion")
+        by_name = {v.name: v for v in self.views}
+        for name in plan.delete:
+            await self.deps.kube.delete_pod(self.namespace, name, by_name[name].uid)
+
+    async def _link(self) -> Any:
+        now = time.monotonic()
+        reassert = now - self.last_reassert >= self.deps.settings.reassert_s
+        draining = frozenset(v.name for v in self.views if v.is_draining)
+        plan = plan_links(self.views, self.graph, now, reassert=reassert, keep=draining)
+        unlink_ops = [op for _, ops in plan.unlink for op in ops]
+        results = await self.deps.links.run(unlink_ops + [op for _, op in plan.link])
+        self.deps.metrics.observe_links(results)
+        self.graph.forget(pair for pair, _ in plan.unlink)
+        self.graph.forget(stale_failures(self.graph, plan.desired))
+        for (pair, op), result in zip(plan.link, results[len(unlink_ops):]):
+            self.graph.record_link(pair, result, time.monotonic())
+            if not result.ok:
+                log.info("link %s failed: %s", pair, result.error)
+                self._event("Warning", "LinkFailed", f"decode {pair[0]} could not link prefill {pair[1]}: "
+                            f"{result.error}", key=("LinkFailed", *pair, op.target.incarnation, op.payload.incarnation))
+        if reassert:
+            self.last_reassert = now
+        for d, dl, p, pl in plan.mismatched:
+            self._event("Warning", "LayoutMismatch", f"decode {d} (KV layout {dl}) and prefill {p} (KV layout {pl}) "
+                        "are not linked: model, dtype or block size differ", key=("LayoutMismatch", d, p))
+        return plan
+
+    def _start_drains(self, spec: ClusterSpec) -> None:
+        for v in self.views:
+            task = self.drains.get(v.name)
+            # The gate is False in the API before the wait starts, so no new requests are routed there.
+            if v.is_draining and not v.is_gone and not v.gate and (task is None or task.done()):
+                self.drains[v.name] = asyncio.create_task(self._drain(v, spec), name=f"drain-{v.name}")
+
+    async def _drain(self, pod: PodView, spec: ClusterSpec) -> None:
+        assert pod.draining_since is not None, f"pod {pod.name} is not draining"
+        peers = [v.endpoint for v in self.views if v.role != pod.role and v.running and v.ip and not v.is_gone]
+        outcome = await drain(pod.endpoint, peers, self.deps.http, self.deps.links,
+                              deadline=pod.draining_since + spec.drain_timeout_s,
+                              poll_s=self.deps.settings.metrics_poll_s)
+        self.deps.metrics.observe_links(outcome.unlinked)
+        self.graph.forget(self.graph.peers_of(pod.name))
+        await self.deps.kube.delete_pod(self.namespace, pod.name, pod.uid)
+        self.deps.metrics.drain_seconds.observe(time.time() - pod.draining_since)
+        if outcome.idle:
+            self._event("Normal", "Drained", f"pod {pod.name} finished its requests and was unlinked and deleted")
+        else:
+            self.deps.metrics.drain_timeouts.inc()
+            self._event("Warning", "DrainTimeout", f"pod {pod.name} still had requests after "
+                        f"{spec.drain_timeout_s} s; unlinked and deleted (raise spec.drain.timeoutSeconds to wait longer)")
+        self.wake()
+
+    def _export(self, desired: frozenset[tuple[str, str]], mismatched: int) -> None:
+        g, ns, name = self.deps.metrics, self.namespace, self.name
+        established = sum(p in self.graph.edges for p in desired)
+        failed = sum(p in self.graph.failures for p in desired)
+        for state, n in (("established", established), ("failed", failed),
+                         ("pending", len(desired) - established - failed), ("mismatched", mismatched)):
+            g.links.labels(ns, name, state).set(n)
+        for role in ROLES:
+            mine = [v for v in self.views if v.role == role]
+            states = {"linked": sum(v.gate and not v.is_gone for v in mine),
+                      "ready": sum(v.containers_ready and not v.is_gone for v in mine),
+                      "draining": sum(v.is_draining and not v.is_gone for v in mine),
+                      "terminating": sum(v.is_gone for v in mine), "total": len(mine)}
+            for state, n in states.items():
+                g.pods.labels(ns, name, role, state).set(n)
+
+    async def stop(self) -> None:
+        for task in self.drains.values():
+            task.cancel()
+        await asyncio.gather(*self.drains.values(), return_exceptions=True)

@@ -1,0 +1,138 @@
+"""Every kopf registration of the operator: thin, typed, top-level functions.
+
+The work is in controller.py (one reconcile pass) and the pure modules it
+calls. A daemon per DisaggCluster runs the level-based reconcile on a period
+and is woken at once by pod events and spec changes; pods are indexed by
+cluster, so a pass reads no API list.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import httpx
+import kopf
+from kubernetes import client, config
+from kubernetes.config.config_exception import ConfigException
+
+from disagg.operator.controller import ClusterController, Deps
+from disagg.operator.crd import GROUP, PLURAL, VERSION
+from disagg.operator.kube import KubeApi
+from disagg.operator.links import LinkClient
+from disagg.operator.manifests import CLUSTER_LABEL
+from disagg.operator.metrics import OperatorMetrics
+from disagg.operator.reconcile import PodView, pod_view
+from disagg.operator.settings import OperatorSettings, configure
+from disagg.operator.spec import parse_spec
+
+CLUSTERS = (GROUP, VERSION, PLURAL)
+WORKER_PODS = {CLUSTER_LABEL: kopf.PRESENT}  # the label selector of our worker pods
+
+
+class OperatorState:
+    """The operator-wide clients and the controller of each cluster (kept in memo)."""
+
+    def __init__(self, deps: Deps) -> None:
+        self.deps = deps
+        self.controllers: dict[tuple[str, str], ClusterController] = {}
+
+    def controller(self, namespace: str, name: str) -> ClusterController:
+        key = (namespace, name)
+        if key not in self.controllers:
+            self.controllers[key] = ClusterController(namespace, name, self.deps)
+        return self.controllers[key]
+
+
+def _api_client() -> client.ApiClient:
+    """In a pod, its service account; elsewhere the kubeconfig ($KUBECONFIG or ~/.kube/config)."""
+    try:
+        config.load_incluster_config()
+        return client.ApiClient()
+    except ConfigException:
+        return config.new_client_from_config()
+
+
+@kopf.on.startup()
+async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    ours = OperatorSettings.from_env()
+    configure(settings, ours, standalone=bool(memo.get("standalone")))
+    metrics = OperatorMetrics()
+    if ours.metrics_port:
+        metrics.serve(ours.metrics_port)
+    memo.state = OperatorState(Deps(
+        settings=ours,
+        kube=KubeApi(_api_client(), ours.api_timeout_s),
+        links=LinkClient(ours.link_timeout_s, ours.link_concurrency),
+        http=httpx.AsyncClient(timeout=httpx.Timeout(5.0)),
+        metrics=metrics,
+    ))
+
+
+@kopf.on.cleanup()
+async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+    state: OperatorState = memo.state
+    await asyncio.gather(*(c.stop() for c in state.controllers.values()))
+    await state.deps.links.close()
+    await state.deps.http.aclose()
+
+
+@kopf.on.probe(id="clusters")
+def clusters_probe(memo: kopf.Memo, **_: Any) -> int:
+    """For the liveness endpoint: the number of clusters being reconciled."""
+    return len(memo.state.controllers)
+
+
+@kopf.index("pods", labels=WORKER_PODS)
+def pods_by_cluster(namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[tuple[str, str], PodView]:
+    return {(namespace or "", labels[CLUSTER_LABEL]): pod_view(body)}
+
+
+@kopf.on.event("pods", labels=WORKER_PODS)
+def pod_changed(namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
+    """A pod that dies or starts terminating is unlinked in the very next pass: wake it."""
+    controller = memo.state.controllers.get((namespace or "", labels[CLUSTER_LABEL]))
+    if controller is not None:
+        controller.wake()
+
+
+@kopf.on.create(*CLUSTERS)
+@kopf.on.update(*CLUSTERS, field="spec")
+def validate(spec: kopf.Spec, name: str, namespace: str | None, memo: kopf.Memo, **_: Any) -> None:
+    """Reject what the schema cannot (PermanentError becomes an Event), and reconcile at once."""
+    parse_spec(spec)
+    memo.state.controller(namespace or "", name).wake()
+
+
+@kopf.daemon(*CLUSTERS, cancellation_timeout=10.0)
+async def reconcile(name: str, namespace: str | None, body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStopped,
+                    logger: kopf.Logger, **kwargs: Any) -> None:
+    assert namespace, "DisaggCluster is a namespaced resource"
+    # kopf passes each index as a keyword named after its function.
+    pods: kopf.Index[tuple[str, str], PodView] = kwargs["pods_by_cluster"]
+    state: OperatorState = memo.state
+    controller = state.controller(namespace, name)
+    metrics = state.deps.metrics
+    try:
+        while not stopped:
+            began = time.monotonic()
+            controller.wakeup.clear()
+            delay = state.deps.settings.resync_s
+            try:
+                delay = await controller.reconcile(body, pods.get((namespace, name), []))
+            except kopf.PermanentError as e:
+                metrics.reconcile_errors.labels("reconcile").inc()
+                kopf.warn(body, reason="InvalidSpec", message=str(e))
+            except Exception as e:  # noqa: BLE001 - one bad pass must not end the loop; the next retries
+                metrics.reconcile_errors.labels("reconcile").inc()
+                logger.exception("reconcile of %s/%s failed: %s", namespace, name, e)
+            metrics.reconcile_seconds.labels("reconcile").observe(time.monotonic() - began)
+            woken = asyncio.ensure_future(controller.wakeup.wait())
+            halted = asyncio.ensure_future(stopped.wait())
+            await asyncio.wait({woken, halted}, timeout=delay, return_when=asyncio.FIRST_COMPLETED)
+            woken.cancel()
+            halted.cancel()
+    finally:
+        await controller.stop()
+        state.controllers.pop((namespace, name), None)

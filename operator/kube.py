@@ -1,0 +1,91 @@
+"""The few Kubernetes API calls the operator makes, made async.
+
+The official client is synchronous, so each call runs in a worker thread
+(`asyncio.to_thread`): handlers never block the event loop. Every call has a
+timeout, and create/delete are idempotent (409 on create and 404 on delete
+mean "already done"). `calls` and `writes` count requests for the benchmark
+and the idempotence test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import Any
+
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from disagg.operator.crd import GROUP, PLURAL, VERSION
+
+
+class KubeApi:
+    def __init__(self, api_client: client.ApiClient, timeout_s: float = 30.0) -> None:
+        self.core = client.CoreV1Api(api_client)
+        self.custom = client.CustomObjectsApi(api_client)
+        self.timeout = (5.0, timeout_s)
+        self.calls = 0
+        self.writes = 0
+
+    async def _call(self, write: bool, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        self.writes += write
+        return await asyncio.to_thread(fn, *args, _request_timeout=self.timeout, **kwargs)
+
+    async def create_pod(self, namespace: str, body: Mapping[str, Any]) -> bool:
+        """Create; False when a pod of that name already exists."""
+        try:
+            await self._call(True, self.core.create_namespaced_pod, namespace, body, _preload_content=False)
+        except ApiException as e:
+            if e.status != 409:
+                raise
+            return False
+        return True
+
+    async def delete_pod(self, namespace: str, name: str, uid: str) -> None:
+        """Delete that very pod (a replacement of the same name is left alone)."""
+        body = {"preconditions": {"uid": uid}}
+        try:
+            await self._call(True, self.core.delete_namespaced_pod, name, namespace, body=body,
+                             _preload_content=False)
+        except ApiException as e:
+            if e.status not in (404, 409):
+                raise
+
+    async def annotate_pod(self, namespace: str, name: str, annotations: Mapping[str, str | None]) -> None:
+        await self._call(True, self.core.patch_namespaced_pod, name, namespace,
+                         {"metadata": {"annotations": dict(annotations)}}, _preload_content=False)
+
+    async def set_pod_condition(self, namespace: str, name: str, condition: Mapping[str, Any]) -> None:
+        """Strategic merge: pod conditions merge by type, the kubelet's stay."""
+        try:
+            await self._call(True, self.core.patch_namespaced_pod_status, name, namespace,
+                             {"status": {"conditions": [dict(condition)]}}, _preload_content=False)
+        except ApiException as e:
+            if e.status != 404:  # deleted meanwhile
+                raise
+
+    async def apply_service(self, namespace: str, body: Mapping[str, Any]) -> bool:
+        """Create, or patch when the fields we own differ; True when something was written."""
+        name = body["metadata"]["name"]
+        try:
+            current = await self._call(False, self.core.read_namespaced_service, name, namespace)
+        except ApiException as e:
+            if e.status != 404:
+                raise
+            await self._call(True, self.core.create_namespaced_service, namespace, body, _preload_content=False)
+            return True
+        have = client.ApiClient().sanitize_for_serialization(current)
+        spec = body["spec"]
+        same = (have["spec"].get("type") == spec["type"] and have["spec"].get("selector") == spec["selector"]
+                and [(p.get("port"), p.get("targetPort")) for p in have["spec"].get("ports", [])]
+                == [(p["port"], p["targetPort"]) for p in spec["ports"]])
+        if same:
+            return False
+        patch = {"metadata": {"labels": body["metadata"]["labels"]}, "spec": spec}
+        await self._call(True, self.core.patch_namespaced_service, name, namespace, patch, _preload_content=False)
+        return True
+
+    async def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
+        await self._call(True, self.custom.patch_namespaced_custom_object_status, GROUP, VERSION, namespace, PLURAL,
+                         name, {"status": dict(status)})

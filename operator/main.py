@@ -1,0 +1,55 @@
+"""`disagg operator`: run the kopf operator in-cluster or from a kubeconfig."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+import kopf
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--namespace", action="append", default=[],
+                   help="watch only this namespace (repeatable; default: all namespaces)")
+    p.add_argument("--kubeconfig", default=None,
+                   help="out of a cluster: the kubeconfig to use (default: $KUBECONFIG or ~/.kube/config)")
+    p.add_argument("--standalone", action="store_true",
+                   help="no peering with other operator replicas (tests and local runs only)")
+    p.add_argument("--liveness-port", type=int, default=8081,
+                   help="serve the liveness endpoint /healthz on this port (0: none; default %(default)s)")
+    p.add_argument("--verbose", action="store_true", help="debug logging")
+
+
+def run_operator(namespaces: list[str], standalone: bool = False, kubeconfig: str | None = None,
+                 liveness_port: int = 8081, verbose: bool = False) -> int:
+    """Blocks until the operator stops. Operator settings come from DISAGG_OPERATOR_* (see settings.py)."""
+    if kubeconfig:
+        # Both kopf's login and our own client read the kubeconfig from here.
+        os.environ["KUBECONFIG"] = kubeconfig
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import disagg.operator.handlers  # noqa: F401  (registers the handlers)
+
+    kopf.run(
+        standalone=standalone,
+        namespaces=namespaces,
+        clusterwide=not namespaces,
+        liveness_endpoint=f"http://0.0.0.0:{liveness_port}/healthz" if liveness_port else None,
+        memo=kopf.Memo(standalone=standalone),
+    )
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    return run_operator(args.namespace, args.standalone, args.kubeconfig, args.liveness_port, args.verbose)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(prog="disagg operator", description="Run the DisaggCluster operator.")
+    add_arguments(p)
+    return run(p.parse_args())
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

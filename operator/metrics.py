@@ -1,0 +1,41 @@
+"""The operator's Prometheus metrics (prefix `disagg_operator_`), in a registry of their own."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from disagg.operator.links import LinkResult
+
+
+class OperatorMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or CollectorRegistry()
+        p = "disagg_operator_"
+        self.reconcile_seconds = Histogram(p + "reconcile_duration_seconds", "One reconcile pass.", ["handler"],
+                                           registry=r)
+        self.reconcile_errors = Counter(p + "reconcile_errors_total", "Reconcile passes that failed.", ["handler"],
+                                        registry=r)
+        self.link_ops = Counter(p + "link_operations_total", "LinkInstance/UnlinkInstance RPCs.",
+                                ["operation", "result"], registry=r)
+        self.link_seconds = Histogram(p + "link_operation_duration_seconds", "One link RPC.",
+                                      ["operation", "result"], registry=r)
+        self.links = Gauge(p + "links", "Links per state (established, pending, failed, mismatched).",
+                           ["namespace", "cluster", "state"], registry=r)
+        self.pods = Gauge(p + "pods", "Worker pods per role and state.", ["namespace", "cluster", "role", "state"],
+                          registry=r)
+        self.drain_seconds = Histogram(p + "drain_duration_seconds", "From drain start to pod deletion.",
+                                       buckets=(1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600), registry=r)
+        self.drain_timeouts = Counter(p + "drain_timeouts_total", "Drains cut short by the drain timeout.",
+                                      registry=r)
+
+    def observe_links(self, results: Iterable[LinkResult]) -> None:
+        for res in results:
+            result = "success" if res.ok else "error"
+            self.link_ops.labels(res.op.verb, result).inc()
+            self.link_seconds.labels(res.op.verb, result).observe(res.seconds)
+
+    def serve(self, port: int, host: str = "0.0.0.0") -> None:
+        """Expose /metrics on `port` in a background thread."""
+        start_http_server(port, addr=host, registry=self.registry)
