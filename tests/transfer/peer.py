@@ -1,7 +1,7 @@
 """A transfer peer in its own process, driven by line commands on stdin.
 
-    python peer.py listen  --layout JSON --name NAME [--seed N] [--connections N]
-    python peer.py connect --layout JSON --name NAME --address HOST:PORT [--seed N] [--connections N]
+    python peer.py listen  --layout JSON --name NAME [--seed N] [--connections N] [--transport T] [--device D]
+    python peer.py connect --layout JSON --name NAME --address HOST:PORT [same options]
 
 Prints "ready HOST:PORT" (listen) or "linked PEER" (connect), then obeys
 "dump PATH" (save the pool, answer "dumped") and "quit".
@@ -35,10 +35,13 @@ def main() -> None:
     parser.add_argument("--address", default="")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--connections", type=int, default=2)
+    parser.add_argument("--transport", default="tcp")
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     layout = KVLayout.from_dict(json.loads(args.layout))
-    pool = seeded_pool(layout, args.seed)
-    transport = create_transport("tcp", pool, layout, args.name, args.name, num_connections=args.connections)
+    pool = seeded_pool(layout, args.seed).to(args.device)
+    transport = create_transport(args.transport, pool, layout, args.name, args.name,
+                                 num_connections=args.connections)
     if args.mode == "listen":
         print("ready", transport.start("127.0.0.1", 0), flush=True)
     else:
@@ -47,7 +50,7 @@ def main() -> None:
     for line in sys.stdin:
         command, _, arg = line.strip().partition(" ")
         if command == "dump":
-            torch.save(pool, arg)
+            torch.save(pool.cpu(), arg)
             print("dumped", flush=True)
         elif command == "quit":
             break

@@ -19,10 +19,15 @@ from disagg.workers.transfer.base import (
     TransferSession,
     TransferTimeout,
 )
+from disagg.workers.transfer.cuda_ipc import CudaIpcTransport
+from disagg.workers.transfer.nccl import NcclTransport
 from disagg.workers.transfer.tcp import TcpTransport
 
+# cuda_ipc and nccl refuse a CPU pool with a ValueError at construction.
 TRANSPORTS: dict[str, type[KVTransport]] = {
     TcpTransport.name: TcpTransport,
+    CudaIpcTransport.name: CudaIpcTransport,
+    NcclTransport.name: NcclTransport,
 }
 
 

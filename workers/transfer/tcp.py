@@ -332,16 +332,15 @@ class TcpTransport(LinkedTransport):
 
     name = "tcp"
 
-    def _payload_io(self, peer: PeerInfo, index: int, extras: dict[str, Any], initiator: bool) -> PayloadIO:
-        """How connection `index` moves KV bytes; NCCL overrides this."""
-        return PoolIO(self.pool, self.layout)
+    def _payloads(self, socks: list[socket.socket], extras: dict[str, Any], initiator: bool) -> list[PayloadIO]:
+        """How each connection moves KV bytes: over its own socket here; NCCL overrides this."""
+        return [PoolIO(self.pool, self.layout) for _ in socks]
 
     def _open_session(self, peer: PeerInfo, socks: list[socket.socket], checksum: int,
                       extras: dict[str, Any], initiator: bool) -> TransferSession:
         conns: list[_Connection] = []
         session = TcpSession(peer, conns, self.layout, self.pool.device.type == "cuda")
-        for index, sock in enumerate(socks):
-            payload = self._payload_io(peer, index, extras, initiator)
+        for sock, payload in zip(socks, self._payloads(socks, extras, initiator), strict=True):
             conns.append(_Connection(sock, payload, self.layout, peer, ChecksumKind(checksum),
                                      self.io_timeout, session._on_broken))
         return session
