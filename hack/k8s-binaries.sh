@@ -75,8 +75,8 @@ GO
   for cmd in kube-apiserver kube-controller-manager; do
     if ! have "$cmd"; then
       log "building $cmd $KUBE_VERSION"
-      (cd "$dir" && go build -ldflags "$ldflags" -o "$BIN/$cmd.tmp" "k8s.io/kubernetes/cmd/$cmd")
-      mv "$BIN/$cmd.tmp" "$BIN/$cmd"
+      (cd "$dir" && go build -ldflags "$ldflags" -o "$BIN/$cmd.tmp.$$" "k8s.io/kubernetes/cmd/$cmd")
+      mv "$BIN/$cmd.tmp.$$" "$BIN/$cmd"
     fi
   done
 }
@@ -91,8 +91,8 @@ build_etcd() {
     (cd "$dir" && go mod tidy)
   fi
   log "building etcd $ETCD_VERSION"
-  (cd "$dir" && go build -ldflags "-s -w" -o "$BIN/etcd.tmp" go.etcd.io/etcd/server/v3)
-  mv "$BIN/etcd.tmp" "$BIN/etcd"
+  (cd "$dir" && go build -ldflags "-s -w" -o "$BIN/etcd.tmp.$$" go.etcd.io/etcd/server/v3)
+  mv "$BIN/etcd.tmp.$$" "$BIN/etcd"
 }
 
 build_helm() {
@@ -106,8 +106,8 @@ build_helm() {
   fi
   log "building helm $HELM_VERSION"
   (cd "$dir" && go build -ldflags "-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION" \
-    -o "$BIN/helm.tmp" helm.sh/helm/v3/cmd/helm)
-  mv "$BIN/helm.tmp" "$BIN/helm"
+    -o "$BIN/helm.tmp.$$" helm.sh/helm/v3/cmd/helm)
+  mv "$BIN/helm.tmp.$$" "$BIN/helm"
 }
 
 build_etcd
