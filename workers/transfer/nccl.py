@@ -100,5 +100,5 @@ class NcclTransport(TcpTransport):
         else:
             store = self._stores.pop(group)
         rank = _INITIATOR_RANK if initiator else _ACCEPTOR_RANK
-        process_group = dist.ProcessGroupNCCL(dist.PrefixStore(group, store), rank, 2)
+        process_group = dist.ProcessGroupNCCL(dist.PrefixStore(group, store), rank, 2, dist.ProcessGroupNCCL.Options())
         return [NcclPayload(self.pool, self.layout, process_group, 1 - rank)]

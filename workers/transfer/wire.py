@@ -25,20 +25,21 @@ crc32 here), else crc32.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import socket
 import struct
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
+from types import ModuleType
 from typing import Protocol
 
 from disagg.workers.transfer.base import BlockRun
 
-try:
-    import xxhash
-except ImportError:  # optional speed-up; crc32 is always there
-    xxhash = None
+# Optional speed-up (PyPI `xxhash`); crc32 is always there.
+xxhash: ModuleType | None = importlib.import_module("xxhash") if importlib.util.find_spec("xxhash") else None
 
 MAGIC = b"DKVF"
 HEADER = struct.Struct("<4sBBHQIIIQ")
