@@ -1,0 +1,109 @@
+{{/*
+Names, labels and the checks of value combinations. Kept small on purpose:
+anything a single template needs lives in that template.
+*/}}
+
+{{/*
+The chart name. Kubernetes names and label values are at most 63 characters
+(a DNS-1123 label), so every name is cut there, and a trailing "-" left by the
+cut is removed (a label must end with an alphanumeric character).
+*/}}
+{{- define "disagg.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+The prefix of every object name: "<release>-<name>", or just the release name
+when it already contains the chart name (so "disagg" does not become
+"disagg-disagg"). Cut at 63 characters for the same reason as above.
+*/}}
+{{- define "disagg.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* "<name>-<version>" for the helm.sh/chart label ("+" is not allowed in labels). */}}
+{{- define "disagg.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Selector labels: name, instance and component only. Selectors are immutable
+on Deployments, so they never carry the version or the chart label, which
+change on every upgrade. Call with (dict "ctx" $ "component" "operator").
+*/}}
+{{- define "disagg.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "disagg.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/* The recommended app.kubernetes.io labels of every object; same call as selectorLabels. */}}
+{{- define "disagg.labels" -}}
+helm.sh/chart: {{ include "disagg.chart" .ctx }}
+{{ include "disagg.selectorLabels" . }}
+app.kubernetes.io/version: {{ .ctx.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
+app.kubernetes.io/part-of: disagg
+{{- end }}
+
+{{- define "disagg.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "disagg.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* The operator image: a digest wins over a tag; the tag defaults to appVersion. */}}
+{{- define "disagg.image" -}}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- else }}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+{{- end }}
+
+{{/* The namespaces that hold worker pods, as a JSON list (see workerPods.networkPolicy.namespaces). */}}
+{{- define "disagg.workerNamespaces" -}}
+{{- $ns := .Values.workerPods.networkPolicy.namespaces | default .Values.operator.watchNamespaces | default (list .Release.Namespace) }}
+{{- toJson $ns }}
+{{- end }}
+
+{{/*
+Value combinations the schema cannot express. Each one fails the install with
+"ERROR: ..." and what to change, instead of rendering something broken.
+*/}}
+{{- define "disagg.validate" -}}
+{{- $v := .Values }}
+{{- if and (gt (int $v.operator.replicas) 1) (not $v.peering.enabled) }}
+{{- fail "ERROR: operator.replicas > 1 needs peering.enabled=true: without kopf peering two operators would both reconcile every cluster" }}
+{{- end }}
+{{- if and (not $v.serviceAccount.create) (not $v.serviceAccount.name) }}
+{{- fail "ERROR: serviceAccount.create=false needs serviceAccount.name, the existing account the operator runs as" }}
+{{- end }}
+{{- if eq (int $v.metrics.port) (int $v.operator.healthPort) }}
+{{- fail "ERROR: metrics.port and operator.healthPort must differ: they are two servers in one container" }}
+{{- end }}
+{{- if and $v.metrics.serviceMonitor.enabled $v.metrics.podMonitor.enabled }}
+{{- fail "ERROR: enable metrics.serviceMonitor or metrics.podMonitor, not both: Prometheus would scrape every series twice" }}
+{{- end }}
+{{- if and $v.metrics.serviceMonitor.enabled (not $v.metrics.service.enabled) }}
+{{- fail "ERROR: metrics.serviceMonitor.enabled needs metrics.service.enabled (it scrapes through the Service); or use metrics.podMonitor" }}
+{{- end }}
+{{- $pdb := $v.podDisruptionBudget }}
+{{- if and $pdb.enabled (hasKey $pdb "minAvailable") (hasKey $pdb "maxUnavailable") }}
+{{- fail "ERROR: set podDisruptionBudget.minAvailable or podDisruptionBudget.maxUnavailable, not both (unset one with =null)" }}
+{{- end }}
+{{- if and $pdb.enabled (hasKey $pdb "minAvailable") (ge (int $pdb.minAvailable) (int $v.operator.replicas)) }}
+{{- fail "ERROR: podDisruptionBudget.minAvailable must be below operator.replicas, or no node drain could ever evict the operator" }}
+{{- end }}
+{{- end }}
