@@ -342,3 +342,22 @@ async def test_shutdown_fails_open_streams(make_engine: MakeEngine) -> None:
     assert engine.engine.num_free_blocks == engine.engine.num_total_blocks
     with pytest.raises(EngineError):
         await anext(engine.generate("late", [5], GREEDY))
+
+
+# --- CUDA ----------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_engine_matches_the_cpu_engine(make_engine: MakeEngine) -> None:
+    batch = prompts(4, [3, 9, 17, 5], seed=12)
+    cpu = tokens(run(make_engine(), [(p, GREEDY) for p in batch]))
+    cuda_engine = make_engine(device="cuda", dtype="float32")
+    assert tokens(run(cuda_engine, [(p, GREEDY) for p in batch])) == cpu
+    # Seeds, penalties and logprobs on the device: a seed reproduces its tokens.
+    seeded = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=7, repetition_penalty=1.2,
+                            logprobs=2, max_tokens=8, ignore_eos=True)
+    first, second = (run(cuda_engine, [(batch[0], seeded)])[0] for _ in range(2))
+    assert first.token_ids == second.token_ids and len(first.token_ids) == 8
+    bf16 = run(make_engine(device="cuda", dtype="bfloat16"), [(p, GREEDY) for p in batch])
+    assert all(len(r.token_ids) == GREEDY.max_tokens for r in bf16)
