@@ -1,0 +1,94 @@
+"""The gRPC client side of the PD flow: one cached channel per peer, a
+deadline on every call, and gRPC failures turned into the roles' errors."""
+
+from __future__ import annotations
+
+import grpc
+
+from disagg.proto import common_pb2, disagg_pd_pb2 as pb, disagg_pd_pb2_grpc, xllm_service_pb2_grpc
+from disagg.workers.engine.outputs import RequestOutput
+from disagg.workers.pd import convert
+from disagg.workers.pd.config import PDConfig
+from disagg.workers.pd.errors import InvalidMessage, PDError, PeerTimeout, PeerUnavailable, UnknownRequest, WrongRole
+from disagg.workers.pd.messages import FirstToken, NewRequest, Reservation
+
+_ERRORS: dict[grpc.StatusCode, type[PDError]] = {
+    grpc.StatusCode.DEADLINE_EXCEEDED: PeerTimeout,
+    grpc.StatusCode.NOT_FOUND: UnknownRequest,
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidMessage,
+    grpc.StatusCode.FAILED_PRECONDITION: WrongRole,
+}
+
+
+def rpc_error(peer: str, exc: grpc.aio.AioRpcError) -> PDError:
+    """The role error for a failed call to `peer`, with gRPC's reason in it."""
+    cls = _ERRORS.get(exc.code(), PeerUnavailable)
+    return cls(f"{peer}: {exc.code().name}: {exc.details()}")
+
+
+class PeerClients:
+    def __init__(self, config: PDConfig) -> None:
+        self._config = config
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        if address not in self._channels:
+            limit = self._config.max_message_bytes
+            self._channels[address] = grpc.aio.insecure_channel(
+                address, options=[("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
+            )
+        return self._channels[address]
+
+    async def add_new_requests(self, decode: str, prefill_name: str, reqs: list[NewRequest]) -> list[Reservation]:
+        stub = disagg_pd_pb2_grpc.DisaggPDServiceStub(self._channel(decode))
+        msg = pb.DisaggRequests(prefill_name=prefill_name, reqs=[convert.request_to_proto(r) for r in reqs])
+        try:
+            answer = await stub.AddNewRequests(msg, timeout=self._config.rpc_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise rpc_error(decode, exc) from exc
+        if len(answer.resps) != len(reqs):
+            raise PeerUnavailable(f"{decode} answered {len(answer.resps)} of {len(reqs)} requests")
+        return [convert.reservation_from_proto(r) for r in answer.resps]
+
+    async def first_generation(self, decode: str, first: FirstToken) -> None:
+        stub = disagg_pd_pb2_grpc.DisaggPDServiceStub(self._channel(decode))
+        msg = pb.DisaggGenerationsRequests(multi_gens=[convert.first_token_to_proto(first)])
+        try:
+            status = await stub.FirstGeneration(msg, timeout=self._config.first_generation_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise rpc_error(decode, exc) from exc
+        if not status.ok:
+            raise PeerUnavailable(f"{decode} answered FirstGeneration of {first.req_id} with ok=false")
+
+    async def cancel(self, decode: str, req_id: str) -> None:
+        """Make a decode free a reservation whose FirstGeneration will never come.
+
+        The protocol has no cancel call: a FirstGeneration without a token is
+        invalid, and a decode frees the blocks of any request whose
+        FirstGeneration it refuses.
+        """
+        stub = disagg_pd_pb2_grpc.DisaggPDServiceStub(self._channel(decode))
+        msg = pb.DisaggGenerationsRequests(multi_gens=[pb.DisaggGenerationsRequest(req_id=req_id)])
+        try:
+            await stub.FirstGeneration(msg, timeout=self._config.rpc_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.INVALID_ARGUMENT:
+                raise rpc_error(decode, exc) from exc
+
+    async def generations(self, prefill: str, outputs: list[RequestOutput]) -> list[bool]:
+        """Stream outputs to their prefill; for each, whether it still tracks the request."""
+        stub = xllm_service_pb2_grpc.XllmRpcServiceStub(self._channel(prefill))
+        msg = pb.DisaggStreamGenerations(gens=[convert.output_to_proto(o) for o in outputs])
+        try:
+            answer = await stub.Generations(msg, timeout=self._config.rpc_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise rpc_error(prefill, exc) from exc
+        statuses: list[common_pb2.Status] = list(answer.all_status)
+        if len(statuses) != len(outputs):
+            raise PeerUnavailable(f"{prefill} answered {len(statuses)} statuses for {len(outputs)} outputs")
+        return [s.ok for s in statuses]
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()

@@ -1,0 +1,160 @@
+"""Protobuf <-> the roles' types, in both directions, for both sides of every RPC.
+
+Parsing functions raise ValueError with a readable reason; the servicer maps
+it to INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+
+from disagg.proto import disagg_pd_pb2 as pb
+from disagg.workers.engine.outputs import RequestOutput, TokenLogprob
+from disagg.workers.engine.sampling_params import SamplingParams
+from disagg.workers.pd.messages import Admission, FirstToken, NewRequest, Reservation, TransferMode
+
+# --- sampling parameters ------------------------------------------------------
+
+
+def request_to_proto(req: NewRequest) -> pb.DisaggRequest:
+    p = req.params
+    return pb.DisaggRequest(
+        req_id=req.req_id, service_req_id=req.req_id, tokens_num=len(req.prompt_token_ids),
+        prompt_tokens=req.prompt_token_ids, max_tokens=p.max_tokens, ignore_eos=p.ignore_eos,
+        stop_token_ids=list(p.stop_token_ids), n=1, frequency_penalty=p.frequency_penalty,
+        presence_penalty=p.presence_penalty, repetition_penalty=p.repetition_penalty,
+        temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, logprobs=p.logprobs is not None,
+        top_logprobs=p.logprobs or 0, skip_special_tokens=p.skip_special_tokens,
+        source_xservice_addr=req.source_addr,
+    )  # fmt: skip
+
+
+def request_from_proto(msg: pb.DisaggRequest) -> NewRequest:
+    """ValueError for a request that cannot be built."""
+    if not msg.req_id:
+        raise ValueError("req_id is empty")
+    if not msg.prompt_tokens:
+        raise ValueError(f"request {msg.req_id}: prompt_tokens is empty")
+    if msg.n > 1:
+        raise ValueError(f"request {msg.req_id}: n={msg.n}; a decode runs one sequence per request")
+    if msg.stop_sequences:
+        raise ValueError(f"request {msg.req_id}: stop_sequences are not supported; send stop_token_ids")
+    # proto3 leaves default-valued fields out: 0 means "not set" where 0 is invalid.
+    params = SamplingParams(
+        max_tokens=msg.max_tokens or 16, temperature=msg.temperature, top_p=msg.top_p or 1.0,
+        top_k=int(msg.top_k), presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty or 1.0, stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos, logprobs=int(msg.top_logprobs) if msg.logprobs else None,
+        skip_special_tokens=msg.skip_special_tokens,
+    )  # fmt: skip
+    return NewRequest(msg.req_id, list(msg.prompt_tokens), params, msg.source_xservice_addr)
+
+
+def reservation_to_proto(r: Reservation) -> pb.DisaggResponse:
+    return pb.DisaggResponse(req_id=r.req_id, status_code=int(r.status), blocks_ids=r.block_ids, dp_rank=0)
+
+
+def reservation_from_proto(msg: pb.DisaggResponse) -> Reservation:
+    try:
+        status = Admission(msg.status_code)
+    except ValueError:
+        status = Admission.REFUSED  # an unknown code is a refusal, never a success
+    return Reservation(msg.req_id, status, list(msg.blocks_ids))
+
+
+# --- the first token ------------------------------------------------------------
+
+
+def first_token_to_proto(ft: FirstToken) -> pb.DisaggGenerationsRequest:
+    token = pb.RemoteToken(token_id=ft.token_id, time_to_first_token_latency_seconds=ft.ttft_s)
+    if ft.logprob is not None:
+        token.has_logprob = True
+        token.logprob = ft.logprob.logprob
+        token.top_tokens.extend(t for t, _ in ft.logprob.top)
+        token.top_logprobs.extend(v for _, v in ft.logprob.top)
+    msg = pb.DisaggGenerationsRequest(req_id=ft.req_id, tokens=[token], kv_cache_transfer_mode=ft.mode.value,
+                                      dp_size=1, dp_rank=0)  # fmt: skip
+    if ft.mode is TransferMode.PULL:
+        msg.addrs.append(ft.prefill_transfer_address)
+        msg.cluster_ids.append(cluster_id(ft.prefill_transfer_address))
+        msg.block_ids.extend(ft.prefill_block_ids)
+    return msg
+
+
+def first_token_from_proto(msg: pb.DisaggGenerationsRequest) -> FirstToken:
+    """ValueError for a malformed message (the request itself may still be known)."""
+    if len(msg.tokens) != 1:
+        raise ValueError(f"request {msg.req_id}: FirstGeneration carries {len(msg.tokens)} tokens, not 1")
+    try:
+        mode = TransferMode(msg.kv_cache_transfer_mode or TransferMode.PUSH.value)
+    except ValueError:
+        raise ValueError(f"request {msg.req_id}: unknown kv_cache_transfer_mode {msg.kv_cache_transfer_mode!r}") from None
+    token = msg.tokens[0]
+    logprob = None
+    if token.has_logprob:
+        logprob = TokenLogprob(int(token.token_id), token.logprob, tuple(zip(map(int, token.top_tokens), token.top_logprobs)))
+    address = ""
+    if mode is TransferMode.PULL:
+        if msg.addrs:
+            address = msg.addrs[0]
+        elif msg.cluster_ids:
+            address = address_of_cluster_id(msg.cluster_ids[0])
+        else:
+            raise ValueError(f"request {msg.req_id}: PULL needs the prefill's addrs or cluster_ids")
+    return FirstToken(msg.req_id, int(token.token_id), logprob, mode, token.time_to_first_token_latency_seconds,
+                      address, tuple(msg.block_ids))  # fmt: skip
+
+
+# --- the token stream -----------------------------------------------------------
+
+
+def output_to_proto(out: RequestOutput) -> pb.DisaggStreamGeneration:
+    seq = pb.SequenceOutput(index=0, text=out.new_text, token_ids=out.new_token_ids,
+                            finish_reason=out.finish_reason or "")  # fmt: skip
+    for lp in out.new_logprobs or ():
+        seq.logprobs.append(pb.LogProb(
+            log_prob_data=pb.LogProbData(token_id=lp.token_id, logprob=lp.logprob),
+            top_logprobs=[pb.LogProbData(token_id=t, logprob=v) for t, v in lp.top],
+        ))  # fmt: skip
+    gen = pb.DisaggStreamGeneration(req_id=out.request_id, service_req_id=out.request_id, outputs=[seq],
+                                    finished=out.finished, gen_status=pb.GenerationStatus(status_code=200))  # fmt: skip
+    if out.finished:
+        gen.usage.CopyFrom(pb.OutputUsage(num_prompt_tokens=out.num_prompt_tokens,
+                                          num_generated_tokens=out.num_output_tokens,
+                                          num_total_tokens=out.num_prompt_tokens + out.num_output_tokens))  # fmt: skip
+    return gen
+
+
+def output_from_proto(gen: pb.DisaggStreamGeneration) -> RequestOutput:
+    token_ids: list[int] = []
+    logprobs: list[TokenLogprob] = []
+    finish_reason = None
+    for seq in gen.outputs:
+        token_ids.extend(seq.token_ids)
+        for lp in seq.logprobs:
+            top = tuple((d.token_id, d.logprob) for d in lp.top_logprobs)
+            logprobs.append(TokenLogprob(lp.log_prob_data.token_id, lp.log_prob_data.logprob, top))
+        finish_reason = seq.finish_reason or finish_reason
+    if gen.gen_status.status_code not in (0, 200):
+        finish_reason = "abort"
+    return RequestOutput(
+        request_id=gen.req_id, new_token_ids=token_ids, new_text="", finished=gen.finished,
+        finish_reason=finish_reason if gen.finished else None, num_prompt_tokens=gen.usage.num_prompt_tokens,
+        num_output_tokens=gen.usage.num_generated_tokens, new_logprobs=logprobs or None,
+    )  # fmt: skip
+
+
+# --- instance addresses -----------------------------------------------------------
+
+
+def cluster_id(transfer_address: str) -> int:
+    """`ip << 32 | port` of an IPv4 "ip:port" (PROTOCOL.md's cluster_id)."""
+    host, _, port = transfer_address.rpartition(":")
+    return int(ipaddress.IPv4Address(host)) << 32 | int(port)
+
+
+def address_of_cluster_id(value: int) -> str:
+    port = value & 0xFFFF_FFFF
+    if not 0 < port < 65536:
+        raise ValueError(f"cluster_id {value:#x} holds no valid port")
+    return f"{ipaddress.IPv4Address(value >> 32)}:{port}"

@@ -1,0 +1,285 @@
+"""The decode role: reserves blocks for a prefill's requests, takes in their
+KV, generates the rest with continuous batching and streams it back.
+
+One request (an `_Incoming`):
+1. AddNewRequests: blocks are reserved (not scheduled) and their ids answered;
+2. FirstGeneration: in PULL mode the KV is read from the prefill first; in
+   PUSH mode the prefill only calls once every byte was stored and checked.
+   Then the first token is appended and the request joins the running batch;
+3. every output is streamed to the prefill with Generations; ok=false (the
+   client went away) or a failed call cancels the request and frees its blocks.
+A reservation whose FirstGeneration never comes is freed after a bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+from disagg.workers.engine.outputs import RequestOutput
+from disagg.workers.engine.sampling_params import SamplingParams
+from disagg.workers.engine.tokenizer import Tokenizer
+from disagg.workers.http.backend import ModelInfo
+from disagg.workers.http.errors import APIError
+from disagg.workers.metrics import EngineStats, RequestStatus, WorkerMetrics
+from disagg.workers.pd.clients import PeerClients
+from disagg.workers.pd.config import PDConfig
+from disagg.workers.pd.engine import OutOfBlocks, PDAsyncEngine, PromptTooLarge
+from disagg.workers.pd.errors import (
+    InvalidMessage,
+    LinkRefused,
+    PDError,
+    PeerTimeout,
+    PeerUnavailable,
+    UnknownRequest,
+    WrongRole,
+)
+from disagg.workers.pd.links import InstanceInfo, PeerTable
+from disagg.workers.pd.messages import Admission, FirstToken, NewRequest, Reservation, TransferMode
+from disagg.workers.transfer import KVTransport, LinkRefusedError, TransferError, TransferTimeout
+
+log = logging.getLogger(__name__)
+
+_SWEEP_INTERVAL_S = 1.0
+
+
+@dataclass
+class _Incoming:
+    """A request a prefill handed to us."""
+
+    req: NewRequest
+    prefill: str
+    block_ids: list[int]
+    reserved_at: float = field(default_factory=time.monotonic)
+    started: bool = False  # FirstGeneration arrived: no longer a bare reservation
+    task: asyncio.Task[None] | None = None  # streams its outputs, once admitted
+
+
+def merge_outputs(outputs: Sequence[RequestOutput]) -> RequestOutput:
+    """Consecutive deltas of one request as one delta (sent while a call was in flight)."""
+    last = outputs[-1]
+    logprobs = [lp for o in outputs for lp in (o.new_logprobs or ())]
+    return RequestOutput(
+        request_id=last.request_id, new_token_ids=[t for o in outputs for t in o.new_token_ids],
+        new_text="".join(o.new_text for o in outputs), finished=last.finished, finish_reason=last.finish_reason,
+        num_prompt_tokens=last.num_prompt_tokens, num_output_tokens=last.num_output_tokens,
+        num_cached_tokens=last.num_cached_tokens, new_logprobs=logprobs or None, stop_reason=last.stop_reason,
+    )  # fmt: skip
+
+
+class DecodeRole:
+    """The decode's half of PD; its HTTP backend refuses client completions."""
+
+    def __init__(self, engine: PDAsyncEngine, tokenizer: Tokenizer, model: ModelInfo, transport: KVTransport,
+                 clients: PeerClients, metrics: WorkerMetrics, config: PDConfig) -> None:  # fmt: skip
+        self._engine = engine
+        self._tokenizer = tokenizer
+        self._model = model
+        self._transport = transport
+        self._clients = clients
+        self._metrics = metrics
+        self._config = config
+        self.peers = PeerTable(metrics, self._on_prefill_lost)
+        self._incoming: dict[str, _Incoming] = {}
+        self._sweeper: asyncio.Task[None] | None = None
+        self._block_bytes = engine.engine.kv_cache.spec.block_bytes
+
+    # --- lifecycle --------------------------------------------------------
+
+    async def start(self) -> None:
+        self.peers.start_watching()
+        self._sweeper = asyncio.create_task(self._sweep(), name="reservation-sweep")
+
+    async def stop(self) -> None:
+        """Unlink every prefill (dropping their requests) and close the channels."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        await self.peers.close()
+        await self._clients.close()
+
+    def close(self) -> None:
+        """Backend.close: stop the engine and the transfer listener."""
+        self._engine.shutdown()
+        self._transport.close()
+
+    # --- links -------------------------------------------------------------
+
+    async def link(self, info: InstanceInfo) -> None:
+        """Open the data path to a prefill and handshake. Idempotent."""
+        if self.peers.is_live(info.name):
+            return
+        try:
+            session = await asyncio.to_thread(self._transport.connect, info.transfer_address,
+                                              self._config.link_timeout_s)  # fmt: skip
+        except LinkRefusedError as exc:
+            raise LinkRefused(str(exc)) from exc
+        except TransferTimeout as exc:
+            raise PeerTimeout(f"prefill {info.name} at {info.transfer_address}: {exc}") from exc
+        except (TransferError, OSError) as exc:
+            raise PeerUnavailable(f"cannot reach prefill {info.name} at {info.transfer_address}: {exc}") from exc
+        self.peers.add(info.name, session)
+
+    async def unlink(self, info: InstanceInfo) -> None:
+        """Drop that prefill's requests (freeing their blocks) and close the data path. Idempotent."""
+        await self.peers.remove(info.name, "unlinked")
+
+    async def _on_prefill_lost(self, name: str, reason: str) -> None:
+        for req_id in [r for r, inc in self._incoming.items() if inc.prefill == name]:
+            await self._drop(req_id, f"its prefill {name} went away ({reason})")
+
+    # --- the PD service ---------------------------------------------------------
+
+    async def add_requests(self, prefill_name: str, reqs: list[NewRequest]) -> list[Reservation]:
+        return [await self._reserve(prefill_name, r) for r in reqs]
+
+    async def _reserve(self, prefill: str, req: NewRequest) -> Reservation:
+        if not self.peers.is_live(prefill):
+            log.warning("request %s from %s, which is not linked here", req.req_id, prefill)
+            return Reservation(req.req_id, Admission.REFUSED, [])
+        if req.req_id in self._incoming:
+            return Reservation(req.req_id, Admission.REFUSED, [])
+        try:
+            blocks = await self._engine.call(lambda e: e.reserve(req.req_id, req.prompt_token_ids, req.params))
+        except PromptTooLarge:
+            return Reservation(req.req_id, Admission.TOO_LARGE, [])
+        except OutOfBlocks:
+            return Reservation(req.req_id, Admission.NO_BLOCKS, [])
+        except ValueError as exc:
+            log.warning("request %s refused: %s", req.req_id, exc)
+            return Reservation(req.req_id, Admission.REFUSED, [])
+        self._incoming[req.req_id] = _Incoming(req, prefill, blocks)
+        return Reservation(req.req_id, Admission.OK, blocks)
+
+    async def first_generation(self, first: FirstToken) -> None:
+        """Take in the KV (PULL) and start generating; on any failure the request is freed."""
+        inc = self._incoming.get(first.req_id)
+        if inc is None or inc.started:
+            raise UnknownRequest(f"no reserved request {first.req_id!r} waits for its first token here")
+        inc.started = True
+        try:
+            if first.mode is TransferMode.PULL:
+                await self._pull(inc, first)
+            else:
+                nbytes = len(inc.block_ids) * self._block_bytes
+                self._metrics.kv_transfer_bytes.labels(direction="received", peer=inc.prefill).inc(nbytes)
+            inc.task = asyncio.create_task(self._stream(inc, first), name=f"decode-{first.req_id}")
+        except PDError as exc:
+            await self._drop(first.req_id, str(exc))
+            raise
+
+    async def refuse_first(self, req_id: str, reason: str) -> None:
+        """A malformed FirstGeneration: free the request it names, then refuse."""
+        inc = self._incoming.get(req_id)
+        if inc is not None and not inc.started:
+            await self._drop(req_id, reason)
+        raise InvalidMessage(reason)
+
+    async def generations(self, outputs: list[RequestOutput]) -> list[bool]:
+        raise WrongRole("this is a decode instance; Generations goes to the prefill that owns the request")
+
+    async def _pull(self, inc: _Incoming, first: FirstToken) -> None:
+        session = self.peers.get(inc.prefill)
+        if session is None or not session.is_open:
+            raise PeerUnavailable(f"the data path to prefill {inc.prefill} is closed")
+        if len(first.prefill_block_ids) != len(inc.block_ids):
+            raise InvalidMessage(f"request {inc.req.req_id}: {len(first.prefill_block_ids)} prefill blocks for "
+                                 f"{len(inc.block_ids)} reserved blocks")  # fmt: skip
+        started = time.monotonic()
+        try:
+            handle = session.pull(first.prefill_block_ids, inc.block_ids)
+        except ValueError as exc:
+            raise InvalidMessage(f"request {inc.req.req_id}: {exc}") from exc
+        try:
+            await asyncio.to_thread(handle.wait, self._config.transfer_timeout_s)
+        except TransferTimeout as exc:
+            raise PeerTimeout(f"pulling the KV of {inc.req.req_id}: {exc}") from exc
+        except TransferError as exc:
+            raise PeerUnavailable(f"pulling the KV of {inc.req.req_id}: {exc}") from exc
+        self._metrics.observe_kv_transfer("received", inc.prefill, handle.nbytes, time.monotonic() - started)
+
+    async def _stream(self, inc: _Incoming, first: FirstToken) -> None:
+        """Generate and stream to the prefill until finished, refused or failed."""
+        req_id = inc.req.req_id
+        pending: asyncio.Queue[RequestOutput | None] = asyncio.Queue()
+
+        async def pump() -> None:
+            try:
+                async for out in self._engine.admit(req_id, inc.req.prompt_token_ids, inc.req.params,
+                                                    first.token_id, first.logprob):
+                    pending.put_nowait(out)
+            except Exception as exc:  # the engine failed it: tell the prefill, which fails its client
+                log.warning("request %s failed in the engine: %s", req_id, exc)
+                pending.put_nowait(RequestOutput(req_id, [], "", True, "abort", len(inc.req.prompt_token_ids), 0))
+            finally:
+                pending.put_nowait(None)
+
+        pumping = asyncio.create_task(pump())
+        status = RequestStatus.ERROR
+        try:
+            while True:
+                batch = [await pending.get()]
+                while not pending.empty():
+                    batch.append(pending.get_nowait())
+                outputs = [o for o in batch if o is not None]
+                if outputs:
+                    out = merge_outputs(outputs)
+                    [tracked] = await self._clients.generations(inc.req.source_addr, [out])
+                    if not tracked:
+                        status = RequestStatus.ABORTED
+                        break
+                    if out.finished:
+                        status = RequestStatus.ABORTED if out.finish_reason == "abort" else RequestStatus.OK
+                        break
+                if None in batch:
+                    break
+        except PDError as exc:
+            log.warning("streaming %s to %s failed: %s", req_id, inc.req.source_addr, exc)
+        finally:
+            pumping.cancel()  # closes the engine stream: an unfinished request is aborted and freed
+            self._incoming.pop(req_id, None)
+            self._metrics.count_request(status)
+
+    async def _drop(self, req_id: str, reason: str) -> None:
+        inc = self._incoming.pop(req_id, None)
+        if inc is None:
+            return
+        log.info("dropping request %s: %s", req_id, reason)
+        if inc.task is not None:
+            inc.task.cancel()
+        else:
+            await self._engine.call(lambda e: e.abort_request(req_id))
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(_SWEEP_INTERVAL_S)
+            limit = time.monotonic() - self._config.reservation_ttl_s
+            for req_id in [r for r, inc in self._incoming.items() if not inc.started and inc.reserved_at < limit]:
+                await self._drop(req_id, f"no FirstGeneration within {self._config.reservation_ttl_s:.0f} s")
+
+    # --- the HTTP backend: a decode takes no client requests ------------------------
+
+    @property
+    def model(self) -> ModelInfo:
+        return self._model
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._tokenizer
+
+    def ready(self) -> tuple[bool, str]:
+        return (True, "") if self._engine.is_running else (False, "the engine has stopped")
+
+    def stats(self) -> EngineStats:
+        s = self._engine.stats()
+        return EngineStats(s.num_blocks_total, s.num_blocks_free, s.num_running, s.num_waiting)
+
+    def generate(self, request_id: str, prompt_token_ids: Sequence[int],
+                 params: SamplingParams) -> AsyncIterator[RequestOutput]:  # fmt: skip
+        raise APIError("this worker is a decode instance and takes no client requests; send them to a prefill",
+                       404, "not_found_error")  # fmt: skip
+
+    async def abort(self, request_id: str) -> None:
+        return None
