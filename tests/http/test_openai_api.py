@@ -12,11 +12,12 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from disagg.workers.engine.tokenizer import Tokenizer
 
 PROMPT = "The capital of France is"
-CHAT = [{"role": "user", "content": "Hello world! How are you today?"}]
+CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Hello world! How are you today?"}]
 # Random weights rarely pick the eos token, but ignore it so lengths are exact.
 EXACT = {"ignore_eos": True}
 
@@ -79,12 +80,12 @@ def test_streamed_completion_equals_the_whole_one(client: openai.OpenAI, served:
 
 
 def test_chat_whole_and_streamed(client: openai.OpenAI, served: Any) -> None:
-    whole = client.chat.completions.create(model=served.model, messages=CHAT, max_tokens=9, temperature=0, extra_body=EXACT)  # type: ignore[arg-type]
+    whole = client.chat.completions.create(model=served.model, messages=CHAT, max_tokens=9, temperature=0, extra_body=EXACT)
     assert whole.object == "chat.completion"
     assert whole.choices[0].message.role == "assistant"
     assert whole.usage is not None and whole.usage.completion_tokens == 9
     stream = client.chat.completions.create(
-        model=served.model, messages=CHAT, max_tokens=9, temperature=0, stream=True, extra_body=EXACT  # type: ignore[arg-type]
+        model=served.model, messages=CHAT, max_tokens=9, temperature=0, stream=True, extra_body=EXACT
     )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -110,7 +111,7 @@ def test_n_choices_stream(client: openai.OpenAI, served: Any) -> None:
     texts = {0: "", 1: ""}
     finished = set()
     for chunk in client.chat.completions.create(
-        model=served.model, messages=CHAT, max_tokens=5, n=2, temperature=1.0, seed=7, stream=True, extra_body=EXACT  # type: ignore[arg-type]
+        model=served.model, messages=CHAT, max_tokens=5, n=2, temperature=1.0, seed=7, stream=True, extra_body=EXACT
     ):
         for choice in chunk.choices:
             texts[choice.index] += choice.delta.content or ""
@@ -134,7 +135,7 @@ def test_completion_logprobs(client: openai.OpenAI, served: Any) -> None:
 
 def test_chat_logprobs(client: openai.OpenAI, served: Any) -> None:
     r = client.chat.completions.create(
-        model=served.model, messages=CHAT, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2, extra_body=EXACT  # type: ignore[arg-type]
+        model=served.model, messages=CHAT, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2, extra_body=EXACT
     )
     content = r.choices[0].logprobs.content  # type: ignore[union-attr]
     assert content is not None and len(content) == 4

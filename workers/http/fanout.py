@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 
 from disagg.workers.engine.outputs import RequestOutput
 from disagg.workers.engine.sampling_params import SamplingParams
@@ -37,7 +37,7 @@ async def stream_choices(
     prompt_token_ids: Sequence[int],
     params: SamplingParams,
     wait_disconnect: Callable[[], Awaitable[None]] | None = None,
-) -> AsyncIterator[tuple[int, RequestOutput]]:
+) -> AsyncGenerator[tuple[int, RequestOutput], None]:
     """Yield (choice index, delta) until every choice has finished.
 
     Args:

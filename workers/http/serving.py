@@ -7,7 +7,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
@@ -110,7 +110,7 @@ class Server:
 
     async def _outputs(
         self, call: Call, choices: list[Choice], wait_disconnect: Callable[[], Awaitable[None]] | None
-    ) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+    ) -> AsyncGenerator[tuple[Choice, RequestOutput], None]:
         """The merged deltas of every choice, with metrics recorded at the end."""
         status = RequestStatus.ERROR
         self.metrics.count_prompt_tokens(call.num_prompt_tokens)
@@ -179,7 +179,7 @@ class Server:
 
     # --- server-sent events ---------------------------------------------
 
-    async def stream(self, call: Call, wait_disconnect: Callable[[], Awaitable[None]] | None) -> AsyncIterator[str]:
+    async def stream(self, call: Call, wait_disconnect: Callable[[], Awaitable[None]] | None) -> AsyncGenerator[str, None]:
         """SSE lines: one chunk per delta, then usage if asked, then [DONE]."""
         choices = [Choice(i) for i in range(call.prepared.params.n)]
         try:
