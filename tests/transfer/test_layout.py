@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from disagg.workers.transfer import TRANSPORTS, KVLayout, TransferError, TransferHandle, TransferTimeout
-from disagg.workers.transfer.base import BlockRun, check_runs, merge_runs, split_runs
+from disagg.workers.transfer.base import BlockRun, PendingTransfers, check_runs, merge_runs, split_runs
 
 LAYOUT = KVLayout("m", "bfloat16", num_layers=2, num_blocks=10, block_size=16, num_kv_heads=4, head_dim=64)
 
@@ -88,3 +88,19 @@ def test_handle_completes_after_all_parts_and_fails_on_first_error() -> None:
 
 def test_registry_names_the_transports() -> None:
     assert "tcp" in TRANSPORTS and all(cls.name == name for name, cls in TRANSPORTS.items())
+
+
+def test_pending_transfers_report_a_failure_once_even_after_later_transfers() -> None:
+    pending = PendingTransfers()
+    failed = TransferHandle(parts=1, nbytes=1)
+    failed.part_done("peer went away")
+    pending.add(failed)
+    ok = TransferHandle(parts=0, nbytes=0)
+    pending.add(ok)  # adding prunes successes only
+    with pytest.raises(TransferError, match="peer went away"):
+        pending.wait_all(1.0, "peer")
+    pending.wait_all(1.0, "peer")  # reported once, then forgotten
+    slow = TransferHandle(parts=1, nbytes=1)
+    pending.add(slow)
+    with pytest.raises(TransferTimeout, match="not done"):
+        pending.wait_all(0.05, "peer")

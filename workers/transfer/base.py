@@ -14,6 +14,7 @@ as the prefill's forward has written it) or for every layer (PULL).
 from __future__ import annotations
 
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields
@@ -239,12 +240,47 @@ class TransferHandle:
     def done(self) -> bool:
         return self._done.is_set()
 
+    @property
+    def failed(self) -> bool:
+        return self._done.is_set() and self._error is not None
+
     def wait(self, timeout: float) -> None:
         """Block until done. Raises TransferTimeout after `timeout` s, TransferError on failure."""
         if not self._done.wait(timeout):
             raise TransferTimeout(f"transfer of {self.nbytes} bytes not done after {timeout:.1f}s")
         if self._error is not None:
             raise TransferError(self._error)
+
+
+class PendingTransfers:
+    """The handles a session started that `flush` has not reported yet.
+
+    Invariant: a handle leaves only when it succeeded or a flush raised its
+    failure, so a failed push is never silently forgotten.
+    """
+
+    def __init__(self) -> None:
+        self._handles: list[TransferHandle] = []
+        self._lock = threading.Lock()
+
+    def add(self, handle: TransferHandle) -> None:
+        with self._lock:
+            self._handles = [h for h in self._handles if not h.done() or h.failed] + [handle]
+
+    def wait_all(self, timeout: float, peer_name: str) -> None:
+        """Wait for every pending handle; raise the first failure or a timeout."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            handles = list(self._handles)
+        try:
+            for handle in handles:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 and not handle.done():
+                    raise TransferTimeout(f"transfers with {peer_name} not done after {timeout:.1f}s")
+                handle.wait(max(remaining, 0.0))
+        finally:
+            with self._lock:
+                self._handles = [h for h in self._handles if not h.done()]
 
 
 class TransferSession(ABC):

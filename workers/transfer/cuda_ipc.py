@@ -13,7 +13,6 @@ import base64
 import queue
 import socket
 import threading
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,10 +22,10 @@ from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 from disagg.workers.transfer.base import (
     KVLayout,
     PeerInfo,
+    PendingTransfers,
     TransferError,
     TransferHandle,
     TransferSession,
-    TransferTimeout,
     check_runs,
     merge_runs,
 )
@@ -81,7 +80,7 @@ class CudaIpcSession(TransferSession):
         self._remote = remote
         self._control = control
         self._stream = torch.cuda.Stream(device=local.device)
-        self._handles: list[TransferHandle] = []
+        self._pending = PendingTransfers()
         self._done: queue.SimpleQueue[tuple[torch.cuda.Event, TransferHandle] | None] = queue.SimpleQueue()
         self._open = True
         threading.Thread(target=self._complete_loop, name="ipc-complete", daemon=True).start()
@@ -116,7 +115,7 @@ class CudaIpcSession(TransferSession):
             event = torch.cuda.Event()
             event.record(self._stream)
         self._done.put((event, handle))
-        self._handles = [h for h in self._handles if not h.done()] + [handle]
+        self._pending.add(handle)
         return handle
 
     def _complete_loop(self) -> None:
@@ -134,12 +133,7 @@ class CudaIpcSession(TransferSession):
         self.close()
 
     def flush(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        for handle in list(self._handles):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 and not handle.done():
-                raise TransferTimeout(f"flush to {self.peer.name} not done after {timeout:.1f}s")
-            handle.wait(max(remaining, 0.0))
+        self._pending.wait_all(timeout, self.peer.name)
 
     def close(self) -> None:
         if not self._open:

@@ -14,7 +14,6 @@ import queue
 import select
 import socket
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -24,9 +23,9 @@ from disagg.workers.transfer.base import (
     BlockRun,
     KVLayout,
     PeerInfo,
+    PendingTransfers,
     TransferHandle,
     TransferSession,
-    TransferTimeout,
     check_runs,
     merge_runs,
     split_runs,
@@ -266,8 +265,7 @@ class TcpSession(TransferSession):
         self.layout = layout
         self._conns = conns
         self._is_cuda = is_cuda
-        self._handles: list[TransferHandle] = []
-        self._lock = threading.Lock()
+        self._pending = PendingTransfers()
         self._rotation = itertools.count()
 
     def push(self, layer: int, src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> TransferHandle:
@@ -291,19 +289,11 @@ class TcpSession(TransferSession):
         start = next(self._rotation)
         for i, part in enumerate(parts):
             submit(self._conns[(start + i) % len(self._conns)], part, handle)
-        with self._lock:
-            self._handles = [h for h in self._handles if not h.done()] + [handle]
+        self._pending.add(handle)
         return handle
 
     def flush(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        with self._lock:
-            handles = list(self._handles)
-        for handle in handles:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 and not handle.done():
-                raise TransferTimeout(f"flush to {self.peer.name} not done after {timeout:.1f}s")
-            handle.wait(max(remaining, 0.0))
+        self._pending.wait_all(timeout, self.peer.name)
 
     def close(self) -> None:
         for conn in self._conns:
