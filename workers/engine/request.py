@@ -117,10 +117,6 @@ class Request:
         """Blocks needed to hold every token of the sequence."""
         return self.num_blocks_for(self.num_tokens)
 
-    @property
-    def num_full_blocks(self) -> int:
-        return self.num_tokens // self.block_size
-
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
@@ -151,9 +147,3 @@ class Request:
     def is_prefill(self) -> bool:
         """More than the last sampled token is still to run (a prompt, or a recompute)."""
         return self.num_uncomputed_tokens > 1
-
-    @property
-    def has_unsent_output(self) -> bool:
-        return self.num_sent_tokens < self.num_output_tokens or self.num_sent_chars < len(
-            self.output_text
-        )
