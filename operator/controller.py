@@ -12,7 +12,7 @@ import asyncio
 import datetime
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +52,9 @@ class Deps:
     links: LinkClient
     http: httpx.AsyncClient
     metrics: OperatorMetrics
+    # (object, type, reason, message): kopf.event in the operator, a recorder in tests.
+    post_event: Callable[[kopf.Body, str, str, str], None] = lambda body, kind, reason, message: kopf.event(
+        body, type=kind, reason=reason, message=message)
 
 
 @dataclass
@@ -76,7 +79,7 @@ class ClusterController:
             if key in self.reported:
                 return
             self.reported.add(key)
-        kopf.event(self.body, type=kind, reason=reason, message=message)
+        self.deps.post_event(self.body, kind, reason, message)
 
     async def reconcile(self, body: kopf.Body, views: Iterable[PodView]) -> float:
         """One pass; returns how long until the next one is due."""
