@@ -30,6 +30,15 @@ when it already contains the chart name (so "disagg" does not become
 {{- end }}
 {{- end }}
 
+{{/*
+"<fullname>-<suffix>", the full name cut first so that the whole stays within
+63 characters. Call with (dict "ctx" $ "suffix" "metrics").
+*/}}
+{{- define "disagg.fullnameWith" -}}
+{{- $room := sub 62 (len .suffix) | int }}
+{{- printf "%s-%s" (include "disagg.fullname" .ctx | trunc $room | trimSuffix "-") .suffix }}
+{{- end }}
+
 {{/* "<name>-<version>" for the helm.sh/chart label ("+" is not allowed in labels). */}}
 {{- define "disagg.chart" -}}
 {{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
