@@ -18,6 +18,7 @@ from disagg.testing.kubelet import LocalKubelet
 from disagg.testing.rest import Kube
 
 ROUTABLE_NODE = "disagg-routable-node"
+_START_NOTE = pytest.StashKey[str]()
 
 
 @pytest.fixture(scope="session")
@@ -28,9 +29,7 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[LocalCluster]:
         pytest.fail(f"the Kubernetes binaries are not available: {e}", pytrace=False)
     local = LocalCluster(binaries=binaries)
     local.start()
-    reporter = request.config.pluginmanager.getplugin("terminalreporter")
-    if reporter is not None:
-        reporter.write_line(f"control plane started in {local.start_seconds:.1f} s ({binaries.folder})")
+    request.config.stash[_START_NOTE] = f"control plane started in {local.start_seconds:.1f} s ({binaries.folder})"
     yield local
     local.stop()
 
@@ -69,3 +68,10 @@ def routable_kubelet(cluster: LocalCluster) -> Iterator[LocalKubelet]:
         kubelet.start()
         yield kubelet
         kubelet.stop()
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    """Say how long the control plane took to start, when one ran."""
+    note = config.stash.get(_START_NOTE, None)
+    if note is not None:
+        terminalreporter.write_line(note)
