@@ -26,8 +26,8 @@ class DecodeGroup:
     """Sequences that add one token each, attended in one padded batch."""
 
     token_rows: torch.Tensor | None  # [Bd] their rows in the step's tokens; None = all rows, in order
-    k_rows: torch.Tensor  # [Bd, max_ctx] cache rows of each sequence's keys, padded
-    v_rows: torch.Tensor  # [Bd, max_ctx]
+    k_rows: torch.Tensor  # [Bd * max_ctx] cache rows of each sequence's keys, padded, flattened
+    v_rows: torch.Tensor  # [Bd * max_ctx]
     mask: torch.Tensor  # [Bd, 1, 1, max_ctx] bool, True where a key exists
 
 
@@ -75,7 +75,7 @@ def build_metadata(batch: ForwardBatch, block_size: int) -> AttentionMetadata:
     if decode_seqs:
         max_ctx = max(context_lens[i] for i in decode_seqs)
         seq_index = torch.tensor(decode_seqs, device=device)
-        k_rows = context_rows(block_tables[seq_index], max_ctx)
+        k_rows = context_rows(block_tables.index_select(0, seq_index), max_ctx).flatten()
         ctx = torch.tensor([context_lens[i] for i in decode_seqs], device=device)
         mask = torch.arange(max_ctx, device=device)[None, :] < ctx[:, None]
         token_rows = None if len(decode_seqs) == batch.num_seqs else \
@@ -113,19 +113,22 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cac
     q: [T, heads, hd]; k, v: [T, kvh, hd] (already written to the cache);
     layer_cache: [num_blocks, 2, block_size, kvh, hd]. Returns [T, heads, hd].
     """
+    # NOTE: gathers use index_select/index_copy_: on CPU, advanced indexing
+    # (rows[idx]) is about 1000x slower for these small row sets.
     rows = layer_cache.view(-1, *layer_cache.shape[-2:])
     if meta.decode is not None and meta.decode.token_rows is None:
         return _decode(q, rows, meta.decode, scale)
     out = torch.empty_like(q)
     if meta.decode is not None:
         assert meta.decode.token_rows is not None
-        out[meta.decode.token_rows] = _decode(q[meta.decode.token_rows], rows, meta.decode, scale)
+        token_rows = meta.decode.token_rows
+        out.index_copy_(0, token_rows, _decode(q.index_select(0, token_rows), rows, meta.decode, scale))
     for seg in meta.prefills:
         if seg.k_rows is None:
             keys, values = k[seg.start:seg.end], v[seg.start:seg.end]
         else:
             assert seg.v_rows is not None
-            keys, values = rows[seg.k_rows], rows[seg.v_rows]
+            keys, values = rows.index_select(0, seg.k_rows), rows.index_select(0, seg.v_rows)
         # [1, heads, q_len, hd] against [1, kvh, ctx, hd]
         o = F.scaled_dot_product_attention(
             q[seg.start:seg.end].transpose(0, 1)[None], keys.transpose(0, 1)[None],
@@ -137,7 +140,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cac
 
 def _decode(q: torch.Tensor, rows: torch.Tensor, group: DecodeGroup, scale: float) -> torch.Tensor:
     # q: [Bd, heads, hd]; keys/values gathered: [Bd, max_ctx, kvh, hd]
-    keys, values = rows[group.k_rows], rows[group.v_rows]
+    batch_size, max_ctx = group.mask.shape[0], group.mask.shape[-1]
+    keys = rows.index_select(0, group.k_rows).view(batch_size, max_ctx, *rows.shape[1:])
+    values = rows.index_select(0, group.v_rows).view(batch_size, max_ctx, *rows.shape[1:])
     o = F.scaled_dot_product_attention(
         q[:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2),
         attn_mask=group.mask, scale=scale, enable_gqa=True)
