@@ -26,7 +26,11 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[LocalCluster]:
     try:
         binaries = find_binaries()
     except BinariesError as e:
-        pytest.fail(f"the Kubernetes binaries are not available: {e}", pytrace=False)
+        problem = str(e)
+    else:
+        problem = ""
+    if problem:
+        pytest.fail(f"the Kubernetes binaries are not available: {problem}", pytrace=False)
     local = LocalCluster(binaries=binaries)
     local.start()
     request.config.stash[_START_NOTE] = f"control plane started in {local.start_seconds:.1f} s ({binaries.folder})"
