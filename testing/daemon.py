@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -50,6 +51,8 @@ def serve(runtime_dir: Path) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    # Each run starts empty: an old etcd store would hold objects signed with old keys.
+    shutil.rmtree(runtime_dir / "run", ignore_errors=True)
     cluster = LocalCluster(workdir=runtime_dir / "run")
     cluster.start()
     try:
