@@ -1,0 +1,154 @@
+"""Prefill + decode in one process, real gRPC and tcp on loopback: outputs,
+links, faults and bad RPCs."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+import pytest
+
+from disagg.proto import disagg_pd_pb2 as pb, disagg_pd_pb2_grpc
+from disagg.workers.config import Role
+from disagg.workers.engine.sampling_params import SamplingParams
+from disagg.workers.http.errors import APIError
+from disagg.workers.pd.config import PDConfig
+from disagg.workers.pd.convert import request_to_proto
+from disagg.workers.pd.messages import NewRequest
+
+NUM_KV_BLOCKS = 128  # the pool of every worker of pd_pair (conftest.py)
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+# Lengths around the block size (4): one token, a block minus one, exact blocks, one past.
+PROMPT_LENGTHS = (1, 3, 4, 5, 8, 9, 16, 17, 33)
+
+
+def prompt_of(n: int, salt: int = 0) -> list[int]:
+    return [(7 * i + 13 * salt + n) % 300 + 3 for i in range(n)]
+
+
+async def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting until {what}"
+        await asyncio.sleep(0.05)
+
+
+async def collect(pair: Any, req_id: str, prompt: list[int], params: SamplingParams = GREEDY) -> list[int]:
+    tokens: list[int] = []
+    async for out in pair.prefill.role.generate(req_id, prompt, params):
+        tokens += out.new_token_ids
+    return tokens
+
+
+def free_blocks(pair: Any) -> tuple[int, int]:
+    return pair.prefill.role.stats().kv_blocks_free, pair.decode.role.stats().kv_blocks_free
+
+
+@pytest.mark.parametrize("mode", ["PUSH", "PULL"])
+async def test_greedy_outputs_equal_one_engine(pd_pair: Callable[..., Any], mode: str,
+                                               reference_tokens: Callable[..., list[int]]) -> None:
+    async with pd_pair(mode) as pair:
+        for n in PROMPT_LENGTHS:
+            got = await collect(pair, f"r{n}", prompt_of(n))
+            assert got == reference_tokens(prompt_of(n), GREEDY), f"prompt of {n} tokens"
+        # Concurrent requests batch on the decode and still match.
+        prompts = [prompt_of(n, salt=1) for n in PROMPT_LENGTHS]
+        results = await asyncio.gather(*(collect(pair, f"c{i}", p) for i, p in enumerate(prompts)))
+        for p, got in zip(prompts, results):
+            assert got == reference_tokens(p, GREEDY)
+        await wait_for(lambda: free_blocks(pair) == (NUM_KV_BLOCKS, NUM_KV_BLOCKS), "every block is free")
+
+
+async def test_max_tokens_one_and_stop_strings_end_on_the_prefill(pd_pair: Callable[..., Any]) -> None:
+    async with pd_pair() as pair:
+        assert len(await collect(pair, "one", prompt_of(6), SamplingParams(max_tokens=1, temperature=0.0))) == 1
+        await wait_for(lambda: free_blocks(pair) == (NUM_KV_BLOCKS, NUM_KV_BLOCKS), "every block is free")
+
+
+async def test_link_with_a_different_block_size_is_refused(pd_pair: Callable[..., Any], tiny_model_dir: Any,
+                                                          kit: Any) -> None:
+    async with pd_pair(link=False) as pair:
+        other, config = await kit.start_worker(tiny_model_dir, Role.DECODE, block_size=8)
+        try:
+            channel = grpc.aio.insecure_channel(config.instance_name)
+            stub = disagg_pd_pb2_grpc.DisaggPDServiceStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.LinkInstance(pair.prefill_info.to_proto(), timeout=10)
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "block_size" in (err.value.details() or "")
+            await channel.close()
+        finally:
+            await kit.stop_worker(other)
+        assert pair.prefill.role.ready() == (False, "no decode instance is linked to this prefill")
+
+
+async def test_no_linked_decode_is_a_503(pd_pair: Callable[..., Any]) -> None:
+    async with pd_pair(link=False) as pair:
+        with pytest.raises(APIError) as err:
+            await collect(pair, "x", prompt_of(5))
+        assert err.value.status == 503
+
+
+async def test_link_and_unlink_are_idempotent_and_unlink_fails_requests(pd_pair: Callable[..., Any]) -> None:
+    async with pd_pair(max_model_len=512) as pair:
+        assert (await pair.stub.LinkInstance(pair.prefill_info.to_proto(), timeout=10)).ok
+        long = SamplingParams(max_tokens=450, temperature=0.0, ignore_eos=True)
+        task = asyncio.create_task(collect(pair, "long", prompt_of(20), long))
+        await wait_for(lambda: pair.decode.role.stats().requests_running == 1, "the decode generates")
+        assert not task.done()
+        assert (await pair.stub.UnlinkInstance(pair.prefill_info.to_proto(), timeout=10)).ok
+        assert (await pair.stub.UnlinkInstance(pair.prefill_info.to_proto(), timeout=10)).ok
+        with pytest.raises(APIError, match="went away"):
+            await asyncio.wait_for(task, 20)
+        await wait_for(lambda: free_blocks(pair) == (NUM_KV_BLOCKS, NUM_KV_BLOCKS), "every block is free")
+        # Linked again, it serves again.
+        assert (await pair.stub.LinkInstance(pair.prefill_info.to_proto(), timeout=10)).ok
+        await wait_for(lambda: pair.prefill.role.ready()[0], "relinked")
+        assert len(await collect(pair, "again", prompt_of(5))) == GREEDY.max_tokens
+
+
+async def test_client_going_away_frees_both_sides(pd_pair: Callable[..., Any]) -> None:
+    async with pd_pair() as pair:
+        stream = pair.prefill.role.generate("gone", prompt_of(9), SamplingParams(max_tokens=300, temperature=0.0,
+                                                                                  ignore_eos=True))
+        async for _ in stream:
+            break
+        await stream.aclose()
+        await wait_for(lambda: free_blocks(pair) == (NUM_KV_BLOCKS, NUM_KV_BLOCKS), "the decode freed its blocks")
+
+
+async def test_bad_rpcs_get_errors_and_the_decode_keeps_serving(pd_pair: Callable[..., Any]) -> None:
+    async with pd_pair("PULL", pd=PDConfig(max_message_bytes=1 << 16)) as pair:
+        stub, name = pair.stub, pair.prefill_config.instance_name
+
+        async def code_of(call: Any) -> grpc.StatusCode:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call
+            return err.value.code()
+
+        unknown = pb.DisaggGenerationsRequests(multi_gens=[pb.DisaggGenerationsRequest(
+            req_id="nope", tokens=[pb.RemoteToken(token_id=5)], kv_cache_transfer_mode="PUSH")])
+        assert await code_of(stub.FirstGeneration(unknown, timeout=5)) == grpc.StatusCode.NOT_FOUND
+        assert await code_of(stub.MultiGenerations(unknown, timeout=5)) == grpc.StatusCode.UNIMPLEMENTED
+        assert await code_of(stub.SendPullSignal(pb.PullSignal(), timeout=5)) == grpc.StatusCode.UNIMPLEMENTED
+        huge = pb.DisaggRequests(prefill_name=name, reqs=[pb.DisaggRequest(req_id="h", prompt_tokens=[1] * 70000)])
+        assert await code_of(stub.AddNewRequests(huge, timeout=5)) == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+        req = request_to_proto(NewRequest("dup", prompt_of(9), GREEDY, name))
+        first = await stub.AddNewRequests(pb.DisaggRequests(prefill_name=name, reqs=[req]), timeout=5)
+        second = await stub.AddNewRequests(pb.DisaggRequests(prefill_name=name, reqs=[req]), timeout=5)
+        assert [first.resps[0].status_code, second.resps[0].status_code] == [200, 500]
+        too_big = request_to_proto(NewRequest("big", prompt_of(300), GREEDY, name))
+        answer = await stub.AddNewRequests(pb.DisaggRequests(prefill_name=name, reqs=[too_big]), timeout=5)
+        assert answer.resps[0].status_code == 413
+        # PULL with block ids out of the prefill's range: refused, and the reservation is freed.
+        out_of_range = pb.DisaggGenerationsRequests(multi_gens=[pb.DisaggGenerationsRequest(
+            req_id="dup", tokens=[pb.RemoteToken(token_id=5)], kv_cache_transfer_mode="PULL",
+            addrs=[pair.prefill_info.transfer_address], block_ids=[NUM_KV_BLOCKS + 1, 0, 1])])
+        assert await code_of(stub.FirstGeneration(out_of_range, timeout=5)) == grpc.StatusCode.INVALID_ARGUMENT
+        await wait_for(lambda: free_blocks(pair) == (NUM_KV_BLOCKS, NUM_KV_BLOCKS), "the reservation is freed")
+        # The decode still serves.
+        assert len(await collect(pair, "after", prompt_of(7))) == GREEDY.max_tokens
