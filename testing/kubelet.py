@@ -22,6 +22,7 @@ import ipaddress
 import logging
 import os
 import random
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -300,9 +301,11 @@ class LocalKubelet:
             rt.waiting = ("CreateContainerConfigError", str(e))
             rt.restart_at = time.monotonic() + self.backoff_s[0]
             return
-        # The process sees this machine's environment (PATH, the virtualenv)
-        # under the pod's own variables.
-        full_env = {**os.environ, **env}
+        # The process sees this machine's environment under the pod's own
+        # variables; this Python environment stands in for the image, so its
+        # scripts (`disagg`) come first on PATH even when it is not activated.
+        path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", os.defpath)])
+        full_env = {**os.environ, "PATH": path, **env}
         rt.log_path.parent.mkdir(parents=True, exist_ok=True)
         with rt.log_path.open("ab") as f:
             f.write(f"--- {_now()} starting {argv}\n".encode())

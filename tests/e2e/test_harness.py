@@ -329,3 +329,23 @@ def test_up_and_down_commands(tmp_path: Path) -> None:
     # Nothing of that run is left: no process has the run folder on its command line.
     leftovers = subprocess.run(["pgrep", "-f", str(runtime)], capture_output=True, text=True, check=False)
     assert leftovers.stdout == ""
+
+
+@pytest.mark.e2e
+def test_pod_process_gets_its_environment(cluster: LocalCluster, kube: Kube, namespace: str, tmp_path: Path) -> None:
+    show = "import os; print('|'.join([os.environ['NS'], os.environ['POD_IP'], os.getcwd()]), flush=True)"
+    env_pod = command_pod("env", [sys.executable, "-c", show], "Never")
+    env_pod["spec"]["containers"][0].update(
+        workingDir=str(tmp_path),
+        env=[{"name": "NS", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}],
+    )
+    kube.post(pod_path(namespace), env_pod)
+    # This Python environment stands in for the image: its `disagg` is on PATH.
+    kube.post(pod_path(namespace), command_pod("cli", ["disagg", "--version"], "Never"))
+    for name in ("env", "cli"):
+        wait_until(lambda: kube.get(pod_path(namespace, name))["status"].get("phase") == "Succeeded",
+                   WAIT_S, f"pod {name} to succeed")
+    assert cluster.kubelet is not None
+    ip = kube.get(pod_path(namespace, "env"))["status"]["podIP"]
+    assert f"{namespace}|{ip}|{tmp_path}" in cluster.kubelet.pod_log(namespace, "env").read_text()
+    assert "disagg" in cluster.kubelet.pod_log(namespace, "cli").read_text()
