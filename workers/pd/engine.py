@@ -59,7 +59,7 @@ class _HookedRunner(ModelRunner):
 class PDEngine(LLMEngine):
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        r = self.model_runner
+        r: ModelRunner = self.model_runner
         self.model_runner = _HookedRunner(r.model, r.kv_cache, r.vocab_size, r.device, self.config.seed)
         self.layer_hook: LayerHook | None = None
         # Set from the event loop before the request's add reaches this thread:
