@@ -349,3 +349,15 @@ def test_pod_process_gets_its_environment(cluster: LocalCluster, kube: Kube, nam
     ip = kube.get(pod_path(namespace, "env"))["status"]["podIP"]
     assert f"{namespace}|{ip}|{tmp_path}" in cluster.kubelet.pod_log(namespace, "env").read_text()
     assert "disagg" in cluster.kubelet.pod_log(namespace, "cli").read_text()
+
+
+@pytest.mark.e2e
+def test_force_deleted_pod_process_is_stopped(cluster: LocalCluster, kube: Kube, namespace: str) -> None:
+    kube.post(pod_path(namespace), command_pod("forced", ["sleep", "600"], grace_s=1))
+    wait_condition(kube, namespace, "forced", "Ready")
+    assert cluster.kubelet is not None
+    pid = cluster.kubelet.pod_pid(namespace, "forced")
+    assert pid is not None and process_running(pid)
+    # Grace 0: the object is gone at once, and the kubelet finds an orphan process.
+    kube.delete(pod_path(namespace, "forced"), {"gracePeriodSeconds": 0})
+    wait_until(lambda: not process_running(pid), WAIT_S, "the orphaned process to be stopped")
