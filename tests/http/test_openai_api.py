@@ -166,3 +166,14 @@ def test_health_answers_while_a_long_stream_runs(served: Any, http: httpx.Client
             assert http.get("/ready").status_code == 200
             rest = [line for line in lines if line.startswith("data: ")]
     assert rest[-1] == "data: [DONE]"
+
+
+def test_text_content_parts_equal_plain_content(client: openai.OpenAI, served: Any) -> None:
+    parts: list[ChatCompletionMessageParam] = [
+        {"role": "user", "content": [{"type": "text", "text": "Hello world! "}, {"type": "text", "text": "How are you today?"}]}
+    ]
+    with_parts = client.chat.completions.create(model=served.model, messages=parts, max_tokens=6, temperature=0, extra_body=EXACT)
+    plain = client.chat.completions.create(model=served.model, messages=CHAT, max_tokens=6, temperature=0, extra_body=EXACT)
+    assert with_parts.usage is not None and plain.usage is not None
+    assert with_parts.usage.prompt_tokens == plain.usage.prompt_tokens
+    assert with_parts.choices[0].message.content == plain.choices[0].message.content

@@ -16,7 +16,7 @@ from disagg.workers.http.errors import APIError, NotReady, install_error_handler
 from disagg.workers.http.fanout import ClientDisconnected
 from disagg.workers.http.prepare import prepare_chat, prepare_completion
 from disagg.workers.http.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, random_id
-from disagg.workers.http.serving import Call, Server
+from disagg.workers.http.serving import Call, OpenAIServing
 from disagg.workers.metrics import CONTENT_TYPE, RequestStatus, WorkerMetrics
 
 # Answer to a request whose client has gone away (nginx's convention); no one reads it.
@@ -28,20 +28,20 @@ class AppState:
 
     def __init__(self, metrics: WorkerMetrics) -> None:
         self.metrics = metrics
-        self.server: Server | None = None
+        self.serving: OpenAIServing | None = None
         self.not_ready_reason = "the model is loading"
 
     def attach(self, backend: Backend) -> None:
-        self.server = Server(backend, self.metrics)
+        self.serving = OpenAIServing(backend, self.metrics)
 
-    def require_server(self) -> Server:
-        """The server, if it can take requests now; else a 503."""
-        if self.server is None:
+    def require_serving(self) -> OpenAIServing:
+        """The OpenAI serving, if it can take requests now; else a 503."""
+        if self.serving is None:
             raise NotReady(self.not_ready_reason)
-        ready, reason = self.server.backend.ready()
+        ready, reason = self.serving.backend.ready()
         if not ready:
             raise NotReady(reason)
-        return self.server
+        return self.serving
 
 
 def build_app(state: AppState) -> FastAPI:
@@ -54,24 +54,24 @@ def build_app(state: AppState) -> FastAPI:
 
     @app.get("/ready")
     async def ready() -> dict[str, str]:
-        state.require_server()
+        state.require_serving()
         return {"status": "ready"}
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        if state.server is not None:
-            state.metrics.set_engine_stats(state.server.backend.stats())
+        if state.serving is not None:
+            state.metrics.set_engine_stats(state.serving.backend.stats())
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        model = state.require_server().backend.model
+        model = state.require_serving().backend.model
         return ModelList(data=[ModelCard(id=model.name, root=model.source, max_model_len=model.max_model_len)])
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        server = state.require_server()
-        backend = server.backend
+        serving = state.require_serving()
+        backend = serving.backend
         try:
             prepared = prepare_completion(body, backend.model, backend.tokenizer)
         except APIError:
@@ -79,12 +79,12 @@ def build_app(state: AppState) -> FastAPI:
             raise
         call = Call("completion", random_id("cmpl"), backend.model.name, prepared, body.return_token_ids,
                     include_usage=bool(body.stream_options and body.stream_options.include_usage))  # fmt: skip
-        return await _answer(server, call, body.stream, request)
+        return await _answer(serving, call, body.stream, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        server = state.require_server()
-        backend = server.backend
+        serving = state.require_serving()
+        backend = serving.backend
         try:
             prepared = prepare_chat(body, backend.model, backend.tokenizer)
         except APIError:
@@ -92,17 +92,17 @@ def build_app(state: AppState) -> FastAPI:
             raise
         call = Call("chat", random_id("chatcmpl"), backend.model.name, prepared, body.return_token_ids,
                     include_usage=bool(body.stream_options and body.stream_options.include_usage))  # fmt: skip
-        return await _answer(server, call, body.stream, request)
+        return await _answer(serving, call, body.stream, request)
 
     return app
 
 
-async def _answer(server: Server, call: Call, stream: bool, request: Request) -> Response:
+async def _answer(serving: OpenAIServing, call: Call, stream: bool, request: Request) -> Response:
     wait_disconnect = _disconnect_waiter(request)
     if stream:
-        return StreamingResponse(server.stream(call, wait_disconnect), media_type="text/event-stream")
+        return StreamingResponse(serving.stream(call, wait_disconnect), media_type="text/event-stream")
     try:
-        body = await server.respond(call, wait_disconnect)
+        body = await serving.respond(call, wait_disconnect)
     except ClientDisconnected:
         return Response(status_code=_CLIENT_CLOSED)
     return JSONResponse(body.model_dump())

@@ -97,7 +97,7 @@ class Call:
         )
 
 
-class Server:
+class OpenAIServing:
     """Runs API calls against one backend and records their metrics."""
 
     def __init__(self, backend: Backend, metrics: WorkerMetrics) -> None:
