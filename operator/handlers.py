@@ -45,13 +45,32 @@ class OperatorState:
         return self.controllers[key]
 
 
-def _api_client() -> client.ApiClient:
-    """In a pod, its service account; elsewhere the kubeconfig ($KUBECONFIG or ~/.kube/config)."""
+def _api_client(kubeconfig: str | None) -> client.ApiClient:
+    """A given kubeconfig; else in a pod, its service account; else $KUBECONFIG or ~/.kube/config."""
+    if kubeconfig:
+        return config.new_client_from_config(config_file=kubeconfig)
     try:
         config.load_incluster_config()
         return client.ApiClient()
     except ConfigException:
         return config.new_client_from_config()
+
+
+@kopf.on.login()
+def login(memo: kopf.Memo, **kwargs: Any) -> kopf.ConnectionInfo | None:
+    """A kubeconfig given to `disagg operator`, else kopf's own ways (in-cluster, $KUBECONFIG)."""
+    kubeconfig = memo.get("kubeconfig")
+    if not kubeconfig:
+        return kopf.login_via_client(**kwargs)
+    cfg = client.Configuration()
+    config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
+    header = cfg.get_api_key_with_prefix("BearerToken") or cfg.get_api_key_with_prefix("authorization") or ""
+    scheme, _, token = header.rpartition(" ")
+    return kopf.ConnectionInfo(
+        server=cfg.host, ca_path=cfg.ssl_ca_cert, insecure=not cfg.verify_ssl,
+        certificate_path=cfg.cert_file, private_key_path=cfg.key_file,
+        scheme=scheme or None, token=token or None,
+    )
 
 
 @kopf.on.startup()
@@ -63,7 +82,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
         metrics.serve(ours.metrics_port)
     memo.state = OperatorState(Deps(
         settings=ours,
-        kube=KubeApi(_api_client(), ours.api_timeout_s),
+        kube=KubeApi(_api_client(memo.get("kubeconfig")), ours.api_timeout_s),
         links=LinkClient(ours.link_timeout_s, ours.link_concurrency),
         http=httpx.AsyncClient(timeout=httpx.Timeout(5.0)),
         metrics=metrics,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 
 import kopf
 
@@ -24,9 +23,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run_operator(namespaces: list[str], standalone: bool = False, kubeconfig: str | None = None,
                  liveness_port: int = 8081, verbose: bool = False) -> int:
     """Blocks until the operator stops. Operator settings come from DISAGG_OPERATOR_* (see settings.py)."""
-    if kubeconfig:
-        # Both kopf's login and our own client read the kubeconfig from here.
-        os.environ["KUBECONFIG"] = kubeconfig
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import disagg.operator.handlers  # noqa: F401  (registers the handlers)
@@ -36,7 +32,7 @@ def run_operator(namespaces: list[str], standalone: bool = False, kubeconfig: st
         namespaces=namespaces,
         clusterwide=not namespaces,
         liveness_endpoint=f"http://0.0.0.0:{liveness_port}/healthz" if liveness_port else None,
-        memo=kopf.Memo(standalone=standalone),
+        memo=kopf.Memo(standalone=standalone, kubeconfig=kubeconfig),
     )
     return 0
 
