@@ -151,6 +151,9 @@ def test_http_server_pod_becomes_ready_on_its_own_loopback_address(kube: Kube, n
     ip = ipaddress.ip_address(pod["status"]["podIP"])
     assert ip in ipaddress.ip_network("127.0.0.0/8") and str(ip) != "127.0.0.1"
     assert pod["spec"]["nodeName"] and pod["status"]["phase"] == "Running"
+    # The ServiceAccount admission plugin ran: a projected API token volume was added.
+    assert pod["spec"]["serviceAccountName"] == "default"
+    assert any(v["name"].startswith("kube-api-access-") for v in pod["spec"]["volumes"])
     status = pod["status"]["containerStatuses"][0]
     assert status["ready"] and "running" in status["state"] and status["restartCount"] == 0
     with urllib.request.urlopen(f"http://{ip}:8080/ready.txt", timeout=5) as r:
