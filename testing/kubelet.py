@@ -2,8 +2,9 @@
 
 It registers one Ready node, binds every unscheduled pod to it (there is no
 scheduler), and runs each pod's first container command as a local process
-on an address of its own in 127.0.0.0/8, reported as `status.podIP` (and
-given to the process as `POD_IP`, since it binds the address itself). It runs
+on an address of its own, reported as `status.podIP` (and given to the
+process as `POD_IP`, since it binds the address itself): by default from a
+random /16 of 127.0.0.0/8, which every Linux loopback accepts as it is. It runs
 readiness probes, computes `Ready` as the kubelet does (containers ready and
 every readiness gate True), reports container states and restarts per
 `restartPolicy`, and on deletion SIGTERMs the process group, waits the grace
@@ -214,6 +215,9 @@ class LocalKubelet:
             except (ApiException, HTTPError, OSError) as e:
                 # The API server may be restarting; the next round retries.
                 log.warning("kubelet sync failed: %s", e)
+            except Exception:
+                # A bug here must not silently end the loop every pod depends on.
+                log.exception("kubelet sync crashed; retrying")
 
     # ---- reconcile --------------------------------------------------------
 
