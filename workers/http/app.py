@@ -70,42 +70,39 @@ def build_app(state: AppState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        serving = state.require_serving()
-        backend = serving.backend
-        try:
-            prepared = prepare_completion(body, backend.model, backend.tokenizer)
-        except APIError:
-            state.metrics.count_request(RequestStatus.REJECTED)
-            raise
-        call = Call("completion", random_id("cmpl"), backend.model.name, prepared, body.return_token_ids,
-                    include_usage=bool(body.stream_options and body.stream_options.include_usage))  # fmt: skip
-        return await _answer(serving, call, body.stream, request)
+        return await _answer(state, body, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        serving = state.require_serving()
-        backend = serving.backend
-        try:
-            prepared = prepare_chat(body, backend.model, backend.tokenizer)
-        except APIError:
-            state.metrics.count_request(RequestStatus.REJECTED)
-            raise
-        call = Call("chat", random_id("chatcmpl"), backend.model.name, prepared, body.return_token_ids,
-                    include_usage=bool(body.stream_options and body.stream_options.include_usage))  # fmt: skip
-        return await _answer(serving, call, body.stream, request)
+        return await _answer(state, body, request)
 
     return app
 
 
-async def _answer(serving: OpenAIServing, call: Call, stream: bool, request: Request) -> Response:
+async def _answer(state: AppState, body: CompletionRequest | ChatCompletionRequest, request: Request) -> Response:
+    serving = state.require_serving()
+    backend = serving.backend
+    is_chat = isinstance(body, ChatCompletionRequest)
+    try:
+        if isinstance(body, ChatCompletionRequest):
+            prepared = prepare_chat(body, backend.model, backend.tokenizer)
+        else:
+            prepared = prepare_completion(body, backend.model, backend.tokenizer)
+    except APIError:
+        state.metrics.count_request(RequestStatus.REJECTED)
+        raise
+    call = Call(
+        "chat" if is_chat else "completion", random_id("chatcmpl" if is_chat else "cmpl"), backend.model.name, prepared,
+        body.return_token_ids, include_usage=bool(body.stream_options and body.stream_options.include_usage),
+    )  # fmt: skip
     wait_disconnect = _disconnect_waiter(request)
-    if stream:
+    if body.stream:
         return StreamingResponse(serving.stream(call, wait_disconnect), media_type="text/event-stream")
     try:
-        body = await serving.respond(call, wait_disconnect)
+        response = await serving.respond(call, wait_disconnect)
     except ClientDisconnected:
         return Response(status_code=_CLIENT_CLOSED)
-    return JSONResponse(body.model_dump())
+    return JSONResponse(response.model_dump())
 
 
 def _disconnect_waiter(request: Request) -> Callable[[], Awaitable[None]]:
