@@ -57,7 +57,7 @@ def free_port(host: str = HOST) -> int:
 
 
 @dataclass(frozen=True)
-class Endpoints:
+class Ports:
     etcd_client: int
     etcd_peer: int
     apiserver: int
@@ -99,7 +99,7 @@ class ControlPlane:
         self._kcm_identity = new_identity("system:kube-controller-manager")
         self.admin_kubeconfig = self.workdir / "admin.kubeconfig"
         self.user_kubeconfig = self.workdir / "user.kubeconfig"
-        self.ports = Endpoints(free_port(), free_port(), free_port(), free_port())
+        self.ports = Ports(free_port(), free_port(), free_port(), free_port())
         self.ca_file = self.workdir / "pki" / "ca.crt"
         self._processes: list[ManagedProcess] = []
 
