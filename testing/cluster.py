@@ -23,15 +23,16 @@ T = TypeVar("T")
 class LocalCluster:
     """`start()` builds the binaries when missing, then starts the control plane and the kubelet.
 
-    Everything a run writes goes under `workdir` (a fresh temporary folder,
-    removed on stop, unless given): `logs/` for the control plane,
+    Everything a run writes goes under `workdir` (a fresh temporary folder
+    named disagg-k8s-run-*, removed on stop, unless given; every control-plane
+    process has that name on its command line, which .ci/run's clean-up relies on): `logs/` for the control plane,
     `kubelet/pods/<namespace>_<name>.log` for each pod's process.
     """
 
     def __init__(self, workdir: Path | None = None, binaries: Binaries | None = None,
                  start_timeout_s: float = 120.0) -> None:
         self._own_workdir = workdir is None
-        self.workdir = workdir if workdir is not None else Path(tempfile.mkdtemp(prefix="disagg-cluster-"))
+        self.workdir = workdir if workdir is not None else Path(tempfile.mkdtemp(prefix="disagg-k8s-run-"))
         self._binaries = binaries
         self.start_timeout_s = start_timeout_s
         self.control_plane: ControlPlane | None = None

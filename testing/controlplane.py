@@ -92,7 +92,7 @@ class ControlPlane:
     def __init__(self, binaries: Binaries, workdir: Path | None = None, start_timeout_s: float = 120.0) -> None:
         self.binaries = binaries
         self._own_workdir = workdir is None
-        self.workdir = workdir if workdir is not None else Path(tempfile.mkdtemp(prefix="disagg-cp-"))
+        self.workdir = workdir if workdir is not None else Path(tempfile.mkdtemp(prefix="disagg-k8s-run-cp-"))
         self.start_timeout_s = start_timeout_s
         self.admin = new_identity(ADMIN_USER, "system:masters")
         self.user = new_identity(USER)
