@@ -219,7 +219,8 @@ class ControlPlane:
                     f"log {proc.log_path}:\n{proc.tail()}"
                 )
             try:
-                with urllib.request.urlopen(request, timeout=2, context=context if url.startswith("https") else None) as r:
+                tls = context if url.startswith("https") else None
+                with urllib.request.urlopen(request, timeout=2, context=tls) as r:
                     if r.status == 200:
                         return
                     last = f"HTTP {r.status}"

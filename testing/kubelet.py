@@ -417,7 +417,8 @@ class LocalKubelet:
         if not ready:
             why = ("ContainersNotReady", f"containers with unready status: [{container['name']}]")
         elif missing:
-            why = ("ReadinessGatesNotReady", f"corresponding condition of pod readiness gate {missing} does not exist or is False")
+            why = ("ReadinessGatesNotReady",
+                   f"corresponding condition of pod readiness gate {missing} does not exist or is False")
         else:
             why = ("", "")
         conditions = [

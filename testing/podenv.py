@@ -99,7 +99,8 @@ def container_env(pod: Obj, container: Obj, pod_ip: str, host_ip: str, lookup: S
         elif "fieldRef" in vf:
             env[name] = field_ref(pod, vf["fieldRef"]["fieldPath"], pod_ip, host_ip)
         elif "configMapKeyRef" in vf or "secretKeyRef" in vf:
-            kind, ref = ("ConfigMap", vf["configMapKeyRef"]) if "configMapKeyRef" in vf else ("Secret", vf["secretKeyRef"])
+            kind = "ConfigMap" if "configMapKeyRef" in vf else "Secret"
+            ref = vf["configMapKeyRef"] if kind == "ConfigMap" else vf["secretKeyRef"]
             data = _source(lookup, kind, namespace, ref)
             if ref["key"] in data:
                 env[name] = data[ref["key"]]
