@@ -18,8 +18,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 and scale in the model dtype, as the reference models do.
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        # One fused kernel (it accumulates in fp32); in fp32 this equals the
+        # reference models, in bf16/fp16 it may differ by the last rounding.
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -42,17 +43,21 @@ class RotaryEmbedding(nn.Module):
             inv_freq = _scale_inv_freq(inv_freq, self.scaling)
         self.inv_freq = inv_freq  # [hd/2] fp32
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [T] -> (cos, sin), each [T, 1, hd/2] fp32 (broadcast over heads)."""
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        return freqs.cos()[:, None, :], freqs.sin()[:, None, :]
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T] -> (cos, signed_sin), each [T, 1, hd] in `dtype`, for apply_rope.
+
+        The angles are computed in fp32 and rounded once, as the reference models do.
+        """
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # [T, hd/2]
+        cos, sin = freqs.cos(), freqs.sin()
+        return torch.cat((cos, cos), -1)[:, None].to(dtype), torch.cat((-sin, sin), -1)[:, None].to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, hd], rotating the pair (i, i + hd/2) by each position's angle."""
-    x1, x2 = x.chunk(2, dim=-1)
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, hd]; rotates each pair (i, i + hd/2) by its position's angle:
+    [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin] = x * cos + [x2, x1] * [-sin, sin]."""
+    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)  # [x2, x1]
+    return x * cos + swapped * signed_sin
 
 
 def _scale_inv_freq(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:

@@ -28,20 +28,19 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
 
-    def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Hook before RoPE; the Llama family leaves q and k as they are."""
-        return q, k
+    def normalize_qk(self, qk: torch.Tensor) -> torch.Tensor:
+        """Hook before RoPE on qk: [T, heads + kvh, hd]; the Llama family leaves it as it is."""
+        return qk
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 layer_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]; writes this layer's new K/V into layer_cache."""
         tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(tokens, self.num_heads, self.head_dim)
-        k = k.view(tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.normalize_qk(q, k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        qkv = self.qkv_proj(x)  # [T, (heads + 2 kvh) * hd]
+        # q and k side by side as heads, so that one RoPE call rotates both
+        qk = qkv[:, :self.q_size + self.kv_size].view(tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size:].view(tokens, self.num_kv_heads, self.head_dim)
+        q, k = apply_rope(self.normalize_qk(qk), cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
         write_kv(layer_cache, k, v, meta)
         out = paged_attention(q, k, v, layer_cache, meta, self.scale)  # [T, heads, hd]
         return self.o_proj(out.reshape(tokens, self.q_size))
@@ -73,7 +72,7 @@ class LlamaModel(nn.Module):
                 meta: AttentionMetadata, on_layer_written: Callable[[int], None] | None) -> torch.Tensor:
         """input_ids, positions: [T]; kv_cache: [layers, blocks, 2, bs, kvh, hd] -> final hidden [T, hidden]."""
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(positions)
+        cos, sin = self.rotary_emb(positions, x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv_cache[i], meta)
             if on_layer_written is not None:

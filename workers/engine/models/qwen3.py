@@ -15,9 +15,10 @@ class Qwen3Attention(LlamaAttention):
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
 
-    def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: [T, heads, hd], k: [T, kvh, hd]; each head is normalised over hd
-        return self.q_norm(q), self.k_norm(k)
+    def normalize_qk(self, qk: torch.Tensor) -> torch.Tensor:
+        # qk: [T, heads + kvh, hd]; each head is normalised over hd, q and k with their own weights
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        return torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
