@@ -76,8 +76,8 @@ def build_metadata(batch: ForwardBatch, block_size: int) -> AttentionMetadata:
         max_ctx = max(context_lens[i] for i in decode_seqs)
         seq_index = torch.tensor(decode_seqs, device=device)
         k_rows = context_rows(block_tables.index_select(0, seq_index), max_ctx).flatten()
-        ctx = torch.tensor([context_lens[i] for i in decode_seqs], device=device)
-        mask = torch.arange(max_ctx, device=device)[None, :] < ctx[:, None]
+        decode_lens = torch.tensor([context_lens[i] for i in decode_seqs], device=device)
+        mask = torch.arange(max_ctx, device=device)[None, :] < decode_lens[:, None]
         token_rows = None if len(decode_seqs) == batch.num_seqs else \
             torch.tensor([starts[i] for i in decode_seqs], device=device)
         decode = DecodeGroup(token_rows, k_rows, k_rows + block_size, mask[:, None, None, :])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TypeAlias
+
 from disagg.workers.engine.model_config import ARCHITECTURES, ModelConfigError
 from disagg.workers.engine.models.llama import LlamaForCausalLM, WeightLoadError
 from disagg.workers.engine.models.qwen2 import Qwen2ForCausalLM
@@ -9,7 +11,7 @@ from disagg.workers.engine.models.qwen3 import Qwen3ForCausalLM
 
 # Every model class has the same interface as LlamaForCausalLM (create,
 # load_weights, forward(batch, kv_cache), compute_logits).
-CausalLM = LlamaForCausalLM
+CausalLM: TypeAlias = LlamaForCausalLM
 
 MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,

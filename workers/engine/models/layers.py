@@ -26,6 +26,8 @@ class RMSNorm(nn.Module):
 class RotaryEmbedding(nn.Module):
     """Rotate-half RoPE with cos/sin computed from each token's position."""
 
+    inv_freq: torch.Tensor  # [hd/2] fp32
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.head_dim = config.head_dim
@@ -41,7 +43,7 @@ class RotaryEmbedding(nn.Module):
         inv_freq = 1.0 / (self.theta ** exponents)
         if self.scaling is not None:
             inv_freq = _scale_inv_freq(inv_freq, self.scaling)
-        self.inv_freq = inv_freq  # [hd/2] fp32
+        self.inv_freq = inv_freq
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [T] -> (cos, signed_sin), each [T, 1, hd] in `dtype`, for apply_rope.
