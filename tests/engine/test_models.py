@@ -133,6 +133,21 @@ def test_batch_of_mixed_lengths_equals_each_alone(models: Callable, paged_cache:
         assert_matches_reference(reference, prompts[seq], alone_tokens, alone_logits)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefix_cache_hit_matches_transformers(models: Callable, paged_cache: type, family: str) -> None:
+    ours, reference = models(family)
+    cache = new_cache(paged_cache, ours, block_size=4)
+    shared = prompt(8, seed=5)
+    step(ours, cache, {0: shared + prompt(3, seed=6)})
+    # sequence 1 reuses sequence 0's two full blocks and computes only its own suffix
+    cache.share_prefix(0, 1, num_blocks=2)
+    suffix = prompt(6, seed=7)
+    tokens, logits = generate(ours, cache, 1, [suffix], steps=4)
+    expected = reference_logits(reference, shared + suffix + tokens[:-1])[len(shared):]
+    torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
+    assert expected[len(suffix) - 1:].argmax(-1).tolist() == tokens
+
+
 def test_on_layer_written_sees_each_layer_in_the_cache(models: Callable, paged_cache: type) -> None:
     ours, _ = models("llama")
     cache = new_cache(paged_cache, ours, block_size=2)
@@ -170,24 +185,24 @@ def test_bf16_follows_fp32(tiny_model: Callable[..., Path], models: Callable, pa
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_matches_cpu(tiny_model: Callable[..., Path], models: Callable, paged_cache: type,
-                          family: str, dtype: torch.dtype) -> None:
+def test_cuda_follows_cpu_fp32(tiny_model: Callable[..., Path], models: Callable, paged_cache: type,
+                               family: str, dtype: torch.dtype) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     ours, _ = models(family)
     gpu = load_model(str(tiny_model(family)), dtype, torch.device("cuda"))
-    ids = prompt(21, seed=4)
     c = gpu.config
-    cache = paged_cache(c.num_layers, c.num_kv_heads, c.head_dim, block_size=4, num_blocks=16, dtype=dtype)
-    cache.kv_cache = cache.kv_cache.cuda()
-    batch = cache.batch({0: ids[:12]})
-    decode = None
-    with torch.no_grad():
-        for b in (batch, cache.batch({0: ids[12:]})):
-            for name in ("input_ids", "positions", "slot_mapping", "context_lens", "block_tables", "logits_indices"):
-                setattr(b, name, getattr(b, name).cuda())
-            decode = gpu.model.compute_logits(gpu.model(b, cache.kv_cache)[b.logits_indices])
-    assert decode is not None
-    expected = generate(ours, new_cache(paged_cache, ours, 4), 0, [ids[:12], ids[12:]], steps=1)[1][12:]
+    ids = prompt(21, seed=4)
+    chunks = [ids[:12], ids[12:]]  # a fresh prefill, then a chunk over a cached prefix
+    cache = paged_cache(c.num_layers, c.num_kv_heads, c.head_dim, block_size=4, num_blocks=32,
+                        dtype=dtype, device="cuda")
+    got = torch.cat([step(gpu, cache, {0: chunk}) for chunk in chunks])
+    expected = step(ours, new_cache(paged_cache, ours, 4), {0: ids})
     tol = 1e-3 if dtype == torch.float32 else 0.1
-    torch.testing.assert_close(decode.cpu(), expected, atol=tol, rtol=0.05)
+    torch.testing.assert_close(got.cpu(), expected, atol=tol, rtol=0.05)
+    # batched decode on the device, against the CPU's
+    cpu_cache = new_cache(paged_cache, ours, 4)
+    step(ours, cpu_cache, {0: ids})
+    next_token = [int(expected[-1].argmax())]
+    torch.testing.assert_close(step(gpu, cache, {0: next_token}).cpu(),
+                               step(ours, cpu_cache, {0: next_token}), atol=tol, rtol=0.05)
