@@ -45,7 +45,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     eng.add_argument("--model", required=True,
                      help="a Hugging Face model folder, a GGUF file, or builtin:smollm2-135m")
     eng.add_argument("--device", choices=DEVICES, default=_default(e, "device"), help="default %(default)s")
-    eng.add_argument("--dtype", choices=tuple(DTYPES), default=_default(e, "dtype"),
+    eng.add_argument("--dtype", choices=DTYPES, default=_default(e, "dtype"),
                      help="default %(default)s: float32 on a CPU, bfloat16 on CUDA")
     eng.add_argument("--block-size", type=int, default=_default(e, "block_size"),
                      help="tokens per KV block (default %(default)s)")

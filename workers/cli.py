@@ -8,8 +8,9 @@ from collections.abc import Callable, Sequence
 
 from disagg.workers import __version__
 
-# name -> (help, add its arguments, run it). Each subcommand imports its heavy
-# modules inside `run`, so `disagg --help` stays fast.
+# name -> (help, add its arguments, run it). Only the chosen subcommand's
+# arguments are added, and each one imports its heavy modules (torch, kopf,
+# grpc) inside these functions, so `disagg --help` and `--version` stay fast.
 Subcommand = tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
 
 
@@ -31,13 +32,62 @@ def _run_serve(args: argparse.Namespace) -> int:
     return run(engine_config, server_config)
 
 
+def _add_link_arguments(p: argparse.ArgumentParser) -> None:
+    from disagg.workers.pd.commands import add_link_arguments
+
+    add_link_arguments(p)
+
+
+def _run_link(args: argparse.Namespace) -> int:
+    from disagg.workers.pd.commands import run_link
+
+    return run_link(args)
+
+
+def _run_unlink(args: argparse.Namespace) -> int:
+    from disagg.workers.pd.commands import run_unlink
+
+    return run_unlink(args)
+
+
+def _add_demo_arguments(p: argparse.ArgumentParser) -> None:
+    from disagg.workers.demo import add_demo_arguments
+
+    add_demo_arguments(p)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from disagg.workers.demo import run_demo
+
+    return run_demo(args)
+
+
+def _add_operator_arguments(p: argparse.ArgumentParser) -> None:
+    from disagg.operator.main import add_arguments
+
+    add_arguments(p)
+
+
+def _run_operator(args: argparse.Namespace) -> int:
+    from disagg.operator.main import run
+
+    return run(args)
+
+
 SUBCOMMANDS: dict[str, Subcommand] = {
     "serve": ("Run a worker: the OpenAI API, and the PD service for the prefill and decode roles.",
               _add_serve_arguments, _run_serve),
-}
+    "link": ("Link a decode to a prefill (LinkInstance on the decode, payload = the prefill).",
+             _add_link_arguments, _run_link),
+    "unlink": ("Unlink a decode from a prefill (UnlinkInstance on both sides).", _add_link_arguments, _run_unlink),
+    "demo": ("Run a prefill and a decode here with the embedded default model, answer a few chat prompts "
+             "and show what happened.", _add_demo_arguments, _run_demo),
+    "operator": ("Run the DisaggCluster operator (Kubernetes).", _add_operator_arguments, _run_operator),
+}  # fmt: skip
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; only `command`'s own arguments are added (None: none, enough for --help)."""
     parser = argparse.ArgumentParser(
         prog="disagg",
         description="Prefill/decode disaggregated LLM serving on Kubernetes.",
@@ -46,13 +96,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (help_text, add_arguments, run) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        add_arguments(p)
+        if name == command:
+            add_arguments(p)
         p.set_defaults(run=run)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # The first word that names a subcommand is the subcommand (no top-level option takes a value).
+    command = next((a for a in argv if a in SUBCOMMANDS), None)
+    parser = build_parser(command)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

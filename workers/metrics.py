@@ -85,6 +85,7 @@ class WorkerMetrics:
         self.requests_running = Gauge("disagg_requests_running", "Requests being computed.", registry=r)
         self.requests_waiting = Gauge("disagg_requests_waiting", "Requests queued.", registry=r)
         self.links = Gauge("disagg_links", "Prefill/decode links this worker holds.", registry=r)
+        self.draining = Gauge("disagg_draining", "1 while the worker drains (POST /drain), else 0.", registry=r)
         # Every outcome shows as 0 from the start, so rate() works at once.
         for status in (RequestStatus.OK, RequestStatus.REJECTED, RequestStatus.ABORTED, RequestStatus.ERROR):
             self.requests.labels(role=role, status=status)

@@ -1,6 +1,9 @@
 """Launches a worker: the HTTP server starts at once (so /health answers while
-the model loads), the role's backend is built in a thread, and both stop
-gracefully on SIGTERM or SIGINT.
+the model loads), the role's worker is built in a thread and then started on
+the loop (a PD role's gRPC server), and all stop gracefully on SIGTERM or
+SIGINT: HTTP finishes its requests, then the requests still in flight over
+gRPC (bounded by `graceful_shutdown_s`), then the gRPC server, the links
+and the engine.
 
 Everything runs in one asyncio loop, which the role's gRPC server can join;
 the engine computes in its own background thread, so the loop stays free to
@@ -13,12 +16,13 @@ import asyncio
 import contextlib
 import logging
 import signal
-import sys
 import threading
+import time
 from collections.abc import Callable, Generator
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import uvicorn
+from fastapi import FastAPI
 
 from disagg.workers.config import Role, ServerConfig
 from disagg.workers.engine.config import EngineConfig
@@ -26,34 +30,64 @@ from disagg.workers.http.app import AppState, build_app
 from disagg.workers.http.backend import Backend
 from disagg.workers.metrics import WorkerMetrics
 
+if TYPE_CHECKING:
+    from disagg.workers.pd.service import PDRole
+    from disagg.workers.pd.worker import PDWorker
+
 log = logging.getLogger(__name__)
 
 
-class RoleNotAvailable(Exception):
-    """The role exists in the CLI but this build cannot run it yet."""
+class Worker(Protocol):
+    """What a role runs: built (model loaded) in a thread, then started on the loop.
+
+    `start` joins the event loop (a PD role's gRPC server); `stop` ends what
+    `start` began, after the HTTP server has finished its requests; then
+    `backend.close()` stops the engine.
+    """
+
+    @property
+    def backend(self) -> Backend: ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
 
 
-# What a role runs: builds its backend (blocking: it loads the model). The
-# role picks its builder here, and only here.
-BackendBuilder = Callable[[EngineConfig, ServerConfig], Backend]
+# Builds a role's worker (blocking: it loads the model).
+WorkerBuilder = Callable[[EngineConfig, ServerConfig, WorkerMetrics], Worker]
 
 
-def _build_mixed(engine_config: EngineConfig, server_config: ServerConfig) -> Backend:
+class _MixedWorker:
+    """The mixed role: only the HTTP backend, nothing on the loop."""
+
+    def __init__(self, backend: Backend) -> None:
+        self._backend = backend
+
+    @property
+    def backend(self) -> Backend:
+        return self._backend
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        return None
+
+
+def _build_mixed(engine_config: EngineConfig, server_config: ServerConfig, metrics: WorkerMetrics) -> Worker:
     from disagg.workers.http.backend import LocalEngineBackend
 
-    return LocalEngineBackend.from_config(engine_config, server_config.served_model_name)
+    return _MixedWorker(LocalEngineBackend.from_config(engine_config, server_config.served_model_name))
 
 
-BACKEND_BUILDERS: dict[Role, BackendBuilder] = {Role.MIXED: _build_mixed}
+def _build_pd(engine_config: EngineConfig, server_config: ServerConfig, metrics: WorkerMetrics) -> Worker:
+    from disagg.workers.pd.worker import build_worker
+
+    return build_worker(engine_config, server_config, metrics)
 
 
-def backend_builder(role: Role) -> BackendBuilder:
-    if role not in BACKEND_BUILDERS:
-        raise RoleNotAvailable(
-            f"the {role.value} role is not available yet in this build; run --role mixed "
-            f"(prefill and decode in one process)"
-        )
-    return BACKEND_BUILDERS[role]
+# The role picks its builder here, and only here.
+WORKER_BUILDERS: dict[Role, WorkerBuilder] = {Role.MIXED: _build_mixed, Role.PREFILL: _build_pd, Role.DECODE: _build_pd}
 
 
 class _UvicornServer(uvicorn.Server):
@@ -69,19 +103,30 @@ class _UvicornServer(uvicorn.Server):
 def run(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     """Serve until SIGTERM/SIGINT; return the process exit code."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        builder = backend_builder(server_config.role)
-    except RoleNotAvailable as exc:
-        print(f"disagg serve: {exc}", file=sys.stderr)
-        return 2
-    return asyncio.run(serve(engine_config, server_config, builder))
+    return asyncio.run(serve(engine_config, server_config, WORKER_BUILDERS[server_config.role]))
 
 
-async def serve(engine_config: EngineConfig, server_config: ServerConfig, builder: BackendBuilder) -> int:
-    state = AppState(WorkerMetrics(server_config.role.value))
+def _build_http_app(state: AppState, role: Role, worker: Callable[[], Worker | None]) -> FastAPI:
+    """The role's HTTP app: a decode takes no client requests; PD roles take xLLM's HTTP link calls."""
+    app = build_app(state, client_api=role is not Role.DECODE)
+    if role is not Role.MIXED:
+        from disagg.workers.pd.service import add_link_routes
+
+        def pd_role() -> PDRole | None:
+            current = worker()
+            return None if current is None else cast("PDWorker", current).role
+
+        add_link_routes(app, pd_role)
+    return app
+
+
+async def serve(engine_config: EngineConfig, server_config: ServerConfig, builder: WorkerBuilder) -> int:
+    metrics = WorkerMetrics(server_config.role.value)
+    state = AppState(metrics)
+    started: list[Worker] = []  # the worker, once started: the link routes serve it from then on
     http = _UvicornServer(
         uvicorn.Config(
-            build_app(state),
+            _build_http_app(state, server_config.role, lambda: started[0] if started else None),
             host=server_config.host,
             port=server_config.http_port,
             lifespan="off",
@@ -92,7 +137,7 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig, builde
     )
     _install_signal_handlers(http)
     http_task = asyncio.create_task(http.serve(), name="http")
-    load_task = _in_daemon_thread(builder, engine_config, server_config)
+    load_task = _in_daemon_thread(builder, engine_config, server_config, metrics)
     done, _ = await asyncio.wait([http_task, load_task], return_when=asyncio.FIRST_COMPLETED)
     if load_task not in done:
         # Stopped while loading: the loader thread cannot be interrupted; it is
@@ -100,39 +145,62 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig, builde
         log.info("stopped before the model finished loading")
         return _exit_code(http_task)
     try:
-        backend = load_task.result()
+        worker = load_task.result()
     except Exception as exc:  # a bad model source or config: report it and stop
         log.error("cannot start the %s role: %s", server_config.role.value, exc)
         http.should_exit = True
         await http_task
         return 1
-    state.attach(backend)
-    log.info("serving %s as %s on http://%s:%d", backend.model.name, server_config.role.value,
-             server_config.host, server_config.http_port)  # fmt: skip
     try:
+        try:
+            await worker.start()
+        except Exception as exc:  # e.g. the gRPC port is taken
+            log.error("cannot start the %s role: %s", server_config.role.value, exc)
+            http.should_exit = True
+            await http_task
+            return 1
+        started.append(worker)
+        state.attach(worker.backend)
+        log.info("serving %s as %s on http://%s:%d", worker.backend.model.name, server_config.role.value,
+                 server_config.host, server_config.http_port)  # fmt: skip
         await http_task
+        # HTTP has finished its requests; a decode's requests come over gRPC: let them finish too.
+        await _finish_in_flight(worker.backend, server_config.graceful_shutdown_s, http)
+        await worker.stop()
     finally:
-        backend.close()
+        worker.backend.close()
     return _exit_code(http_task)
 
 
-def _in_daemon_thread(fn: BackendBuilder, *args: Any) -> asyncio.Future[Backend]:
+async def _finish_in_flight(backend: Backend, timeout_s: float, http: uvicorn.Server) -> None:
+    """Take no new work and wait, bounded, until nothing is in flight (a second Ctrl-C stops waiting)."""
+    backend.set_draining(True)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not http.force_exit:
+        stats = backend.stats()
+        if stats.requests_running + stats.requests_waiting == 0:
+            return
+        await asyncio.sleep(0.1)
+    log.warning("stopping with requests still in flight")
+
+
+def _in_daemon_thread(fn: WorkerBuilder, *args: Any) -> asyncio.Future[Worker]:
     """Run a blocking call in a daemon thread (asyncio.to_thread's threads
     would keep the process alive until a model load ends)."""
     loop = asyncio.get_running_loop()
-    future: asyncio.Future[Backend] = loop.create_future()
+    future: asyncio.Future[Worker] = loop.create_future()
 
-    def settle(result: Backend | None, exc: BaseException | None) -> None:
+    def settle(result: Worker | None, exc: BaseException | None) -> None:
         if future.done():
             return
         if exc is not None:
             future.set_exception(exc)
         else:
-            assert result is not None, "a builder returns a backend or raises"
+            assert result is not None, "a builder returns a worker or raises"
             future.set_result(result)
 
     def target() -> None:
-        result: Backend | None = None
+        result: Worker | None = None
         error: BaseException | None = None
         try:
             result = fn(*args)

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+# NOTE: torch is imported where it is used, so that the CLI (`disagg --help`)
+# can read these choices and defaults without loading it.
+if TYPE_CHECKING:
+    import torch
 
 DEVICES = ("auto", "cpu", "cuda")
-DTYPES: dict[str, torch.dtype | None] = {
-    "auto": None,
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # "auto": float32 on a CPU, bfloat16 on CUDA
 # Without a block count or a budget, the KV pool takes this much memory on a CPU.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 # ...and this fraction of the free memory left on a GPU after the weights load.
@@ -68,14 +67,19 @@ class EngineConfig:
 
     @property
     def torch_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        chosen = DTYPES[self.dtype]
-        if chosen is not None:
+        import torch
+
+        if self.dtype != "auto":
+            chosen = getattr(torch, self.dtype)
+            assert isinstance(chosen, torch.dtype), f"{self.dtype} names a torch dtype"
             return chosen
         return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
 

@@ -1,7 +1,13 @@
-"""The worker's HTTP app: the OpenAI API, health, readiness and metrics.
+"""The worker's HTTP app: the OpenAI API, health, readiness, metrics and drain.
 
 The app starts before the model has loaded (so /health answers at once) and
 serves requests once a backend is attached with `AppState.attach`.
+
+Drain (for scale-down): `POST /drain` makes the worker take no new work (new
+client requests and /ready answer 503; a decode answers AddNewRequests with
+404) while its requests in flight finish; `DELETE /drain` undoes it; `GET
+/drain` reports. Each answers `{"draining": bool, "in_flight": int}`, where
+in_flight = disagg_requests_running + disagg_requests_waiting.
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from disagg.workers.http.backend import Backend
+from disagg.workers.http.backend import NO_CLIENT_API, Backend
 from disagg.workers.http.errors import APIError, NotReady, install_error_handlers
 from disagg.workers.http.fanout import ClientDisconnected
 from disagg.workers.http.prepare import prepare_chat, prepare_completion
@@ -30,9 +36,24 @@ class AppState:
         self.metrics = metrics
         self.serving: OpenAIServing | None = None
         self.not_ready_reason = "the model is loading"
+        self.draining = False  # asked before the model loaded, applied on attach
 
     def attach(self, backend: Backend) -> None:
+        backend.set_draining(self.draining)
         self.serving = OpenAIServing(backend, self.metrics)
+
+    def set_draining(self, draining: bool) -> None:
+        self.draining = draining
+        self.metrics.draining.set(int(draining))
+        if self.serving is not None:
+            self.serving.backend.set_draining(draining)
+
+    def drain_status(self) -> dict[str, bool | int]:
+        in_flight = 0
+        if self.serving is not None:
+            stats = self.serving.backend.stats()
+            in_flight = stats.requests_running + stats.requests_waiting
+        return {"draining": self.draining, "in_flight": in_flight}
 
     def require_serving(self) -> OpenAIServing:
         """The OpenAI serving, if it can take requests now; else a 503."""
@@ -44,13 +65,16 @@ class AppState:
         return self.serving
 
 
-def build_app(state: AppState) -> FastAPI:
+def build_app(state: AppState, client_api: bool = True) -> FastAPI:
+    """The app; `client_api=False` (a decode) answers the completion routes with a 404 that says where to go."""
     app = FastAPI(title="disagg worker", docs_url=None, redoc_url=None)
     install_error_handlers(app)
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    async def health() -> dict[str, str | bool]:
+        # `loaded`: the model is loaded and the role's servers are up (a prefill
+        # is ready only once linked too, so launchers wait on this to link).
+        return {"status": "ok", "loaded": state.serving is not None}
 
     @app.get("/ready")
     async def ready() -> dict[str, str]:
@@ -63,10 +87,33 @@ def build_app(state: AppState) -> FastAPI:
             state.metrics.set_engine_stats(state.serving.backend.stats())
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
+    @app.post("/drain")
+    async def start_drain() -> dict[str, bool | int]:
+        state.set_draining(True)
+        return state.drain_status()
+
+    @app.delete("/drain")
+    async def stop_drain() -> dict[str, bool | int]:
+        state.set_draining(False)
+        return state.drain_status()
+
+    @app.get("/drain")
+    async def drain_status() -> dict[str, bool | int]:
+        return state.drain_status()
+
     @app.get("/v1/models")
     async def models() -> ModelList:
         model = state.require_serving().backend.model
         return ModelList(data=[ModelCard(id=model.name, root=model.source, max_model_len=model.max_model_len)])
+
+    if not client_api:
+
+        @app.post("/v1/completions")
+        @app.post("/v1/chat/completions")
+        async def no_completions() -> Response:
+            raise APIError(NO_CLIENT_API, 404, "not_found_error")
+
+        return app
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

@@ -1,7 +1,8 @@
 """What the HTTP layer needs from a worker role to answer requests.
 
 The mixed role answers with its local engine (`LocalEngineBackend`); the
-prefill role will answer by prefilling here and decoding on a linked decode.
+prefill role answers by prefilling here and decoding on a linked decode
+(`disagg.workers.pd.prefill.PrefillRole`).
 Both sit behind `Backend`, so the OpenAI API code does not know the role.
 """
 
@@ -19,6 +20,12 @@ if TYPE_CHECKING:
     from disagg.workers.engine.outputs import RequestOutput
     from disagg.workers.engine.sampling_params import SamplingParams
     from disagg.workers.engine.tokenizer import Tokenizer
+
+
+# The answer (404) of a decode to client completions.
+NO_CLIENT_API = "this worker is a decode instance and takes no client requests; send them to a prefill"
+# The not-ready reason of a draining worker (POST /drain).
+DRAINING = "the worker is draining: it finishes its requests in flight and takes no new ones"
 
 
 @dataclass(frozen=True)
@@ -52,6 +59,14 @@ class Backend(Protocol):
 
     def ready(self) -> tuple[bool, str]:
         """Whether requests can be served now, and if not, why (for a 503)."""
+        ...
+
+    def set_draining(self, draining: bool) -> None:
+        """Stop (True) or resume (False) taking new work; requests in flight go on.
+
+        While draining, `ready()` answers False with the reason, so new client
+        requests get a 503 and the readiness probe fails.
+        """
         ...
 
     def stats(self) -> EngineStats:
@@ -89,6 +104,7 @@ class LocalEngineBackend:
         self._engine = engine
         self._tokenizer = tokenizer
         self._model = model
+        self._draining = False
 
     @classmethod
     def from_config(cls, config: EngineConfig, served_model_name: str | None) -> LocalEngineBackend:
@@ -119,7 +135,12 @@ class LocalEngineBackend:
     def ready(self) -> tuple[bool, str]:
         if not self._engine.is_running:
             return False, "the engine has stopped"
+        if self._draining:
+            return False, DRAINING
         return True, ""
+
+    def set_draining(self, draining: bool) -> None:
+        self._draining = draining
 
     def stats(self) -> EngineStats:
         s = self._engine.stats()

@@ -1,8 +1,7 @@
 """`disagg link` and `disagg unlink`: the operator's link calls, by hand.
 
-Register in workers/cli.py's SUBCOMMANDS:
-    "link": (LINK_HELP, add_link_arguments, run_link),
-    "unlink": (UNLINK_HELP, add_link_arguments, run_unlink),
+`link_call` and `unlink_calls` are the calls themselves, shared with
+`disagg demo` (disagg.workers.local).
 """
 
 from __future__ import annotations
@@ -11,31 +10,28 @@ import argparse
 import asyncio
 import sys
 
-import grpc
-
-from disagg.proto import disagg_pd_pb2_grpc
-from disagg.workers.pd.links import InstanceInfo
-
-LINK_HELP = "Link a decode to a prefill (LinkInstance on the decode, payload = the prefill)."
-UNLINK_HELP = "Unlink a decode from a prefill (UnlinkInstance on both sides)."
+DEFAULT_TRANSFER_PORT = 26000  # `disagg serve --transfer-port`'s default
 
 
 def add_link_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode", required=True, metavar="HOST:GRPC", help="the decode's DisaggPDService")
     p.add_argument("--prefill", required=True, metavar="HOST:GRPC", help="the prefill's DisaggPDService")
-    p.add_argument("--prefill-transfer-port", type=int, default=26000,
+    p.add_argument("--prefill-transfer-port", type=int, default=DEFAULT_TRANSFER_PORT,
                    help="the prefill's --transfer-port (default %(default)s)")
-    p.add_argument("--decode-transfer-port", type=int, default=26000,
+    p.add_argument("--decode-transfer-port", type=int, default=DEFAULT_TRANSFER_PORT,
                    help="the decode's --transfer-port, for unlink (default %(default)s)")
     p.add_argument("--timeout", type=float, default=15.0, help="deadline of each call, seconds")
 
 
-def _info(address: str, transfer_port: int) -> InstanceInfo:
-    host = address.rpartition(":")[0]
-    return InstanceInfo(address, f"{host}:{transfer_port}")
+async def _call(target: str, method: str, instance: str, transfer_port: int, timeout: float) -> str | None:
+    """One LinkInstance/UnlinkInstance on `target` with `instance`'s info; the error, or None."""
+    import grpc
 
+    from disagg.proto import disagg_pd_pb2_grpc
+    from disagg.workers.pd.links import InstanceInfo
 
-async def _call(target: str, method: str, info: InstanceInfo, timeout: float) -> str | None:
+    host = instance.rpartition(":")[0]
+    info = InstanceInfo(instance, f"{host}:{transfer_port}")
     async with grpc.aio.insecure_channel(target) as channel:
         stub = disagg_pd_pb2_grpc.DisaggPDServiceStub(channel)
         try:
@@ -45,9 +41,27 @@ async def _call(target: str, method: str, info: InstanceInfo, timeout: float) ->
     return None if status.ok else "answered ok=false"
 
 
+def link_call(decode: str, prefill: str, prefill_transfer_port: int, timeout: float) -> str | None:
+    """LinkInstance on the decode, payload = the prefill; the refusal's reason, or None."""
+    return asyncio.run(_call(decode, "LinkInstance", prefill, prefill_transfer_port, timeout))
+
+
+def unlink_calls(decode: str, decode_transfer_port: int, prefill: str, prefill_transfer_port: int,
+                 timeout: float) -> list[str]:  # fmt: skip
+    """UnlinkInstance on both sides at once; the errors, each naming its side."""
+
+    async def both() -> list[str | None]:
+        return list(await asyncio.gather(
+            _call(decode, "UnlinkInstance", prefill, prefill_transfer_port, timeout),
+            _call(prefill, "UnlinkInstance", decode, decode_transfer_port, timeout),
+        ))  # fmt: skip
+
+    answers = asyncio.run(both())
+    return [f"{side}: {error}" for side, error in zip((decode, prefill), answers) if error]
+
+
 def run_link(args: argparse.Namespace) -> int:
-    error = asyncio.run(_call(args.decode, "LinkInstance", _info(args.prefill, args.prefill_transfer_port),
-                              args.timeout))  # fmt: skip
+    error = link_call(args.decode, args.prefill, args.prefill_transfer_port, args.timeout)
     if error:
         print(f"disagg link: {args.decode} refused: {error}", file=sys.stderr)
         return 1
@@ -56,13 +70,8 @@ def run_link(args: argparse.Namespace) -> int:
 
 
 def run_unlink(args: argparse.Namespace) -> int:
-    async def both() -> list[str | None]:
-        return list(await asyncio.gather(
-            _call(args.decode, "UnlinkInstance", _info(args.prefill, args.prefill_transfer_port), args.timeout),
-            _call(args.prefill, "UnlinkInstance", _info(args.decode, args.decode_transfer_port), args.timeout),
-        ))  # fmt: skip
-
-    errors = [e for e in asyncio.run(both()) if e]
+    errors = unlink_calls(args.decode, args.decode_transfer_port, args.prefill, args.prefill_transfer_port,
+                          args.timeout)  # fmt: skip
     for error in errors:
         print(f"disagg unlink: {error}", file=sys.stderr)
     if not errors:

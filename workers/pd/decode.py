@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from disagg.workers.engine.outputs import RequestOutput
 from disagg.workers.engine.sampling_params import SamplingParams
 from disagg.workers.engine.tokenizer import Tokenizer
-from disagg.workers.http.backend import ModelInfo
+from disagg.workers.http.backend import DRAINING, NO_CLIENT_API, ModelInfo
 from disagg.workers.http.errors import APIError
 from disagg.workers.metrics import EngineStats, RequestStatus, WorkerMetrics
 from disagg.workers.pd.clients import PeerClients
@@ -86,6 +86,7 @@ class DecodeRole:
         self._incoming: dict[str, _Incoming] = {}
         self._sweeper: asyncio.Task[None] | None = None
         self._block_bytes = engine.engine.kv_cache.spec.block_bytes
+        self._draining = False
 
     # --- lifecycle --------------------------------------------------------
 
@@ -141,6 +142,9 @@ class DecodeRole:
             return Reservation(req.req_id, Admission.REFUSED, [])
         if req.req_id in self._incoming:
             return Reservation(req.req_id, Admission.REFUSED, [])
+        if self._draining:
+            # 404, as when out of blocks: the prefill tries another decode.
+            return Reservation(req.req_id, Admission.NO_BLOCKS, [])
         try:
             blocks = await self._engine.call(lambda e: e.reserve(req.req_id, req.prompt_token_ids, req.params))
         except PromptTooLarge:
@@ -270,16 +274,26 @@ class DecodeRole:
         return self._tokenizer
 
     def ready(self) -> tuple[bool, str]:
-        return (True, "") if self._engine.is_running else (False, "the engine has stopped")
+        """The data path listens from before the role is built (`build_worker`) until close."""
+        if not self._engine.is_running:
+            return False, "the engine has stopped"
+        if self._draining:
+            return False, DRAINING
+        return True, ""
+
+    def set_draining(self, draining: bool) -> None:
+        """While draining, AddNewRequests answers 404 so that prefills go elsewhere."""
+        self._draining = draining
 
     def stats(self) -> EngineStats:
+        """The engine's load; a reservation still waiting for its KV counts as waiting."""
         s = self._engine.stats()
-        return EngineStats(s.num_blocks_total, s.num_blocks_free, s.num_running, s.num_waiting)
+        reserved = sum(1 for inc in self._incoming.values() if inc.task is None)
+        return EngineStats(s.num_blocks_total, s.num_blocks_free, s.num_running, s.num_waiting + reserved)
 
     def generate(self, request_id: str, prompt_token_ids: Sequence[int],
                  params: SamplingParams) -> AsyncIterator[RequestOutput]:  # fmt: skip
-        raise APIError("this worker is a decode instance and takes no client requests; send them to a prefill",
-                       404, "not_found_error")  # fmt: skip
+        raise APIError(NO_CLIENT_API, 404, "not_found_error")
 
     async def abort(self, request_id: str) -> None:
         return None

@@ -30,7 +30,7 @@ from disagg.workers.engine.request import Request, RequestStatus
 from disagg.workers.engine.sampling_params import SamplingParams
 from disagg.workers.engine.scheduler import SchedulerOutput
 from disagg.workers.engine.tokenizer import Tokenizer
-from disagg.workers.http.backend import ModelInfo
+from disagg.workers.http.backend import DRAINING, ModelInfo
 from disagg.workers.http.errors import APIError
 from disagg.workers.metrics import EngineStats, WorkerMetrics
 from disagg.workers.pd.clients import PeerClients
@@ -143,6 +143,7 @@ class PrefillRole:
         self._tasks: set[asyncio.Task[None]] = set()
         self._targets: dict[str, _PushTarget] = {}  # read by the engine thread
         self._block_size = engine.engine.config.block_size
+        self._draining = False
         engine.engine.layer_hook = self._layer_pushes
 
     # --- lifecycle --------------------------------------------------------
@@ -221,11 +222,19 @@ class PrefillRole:
             return False, "the engine has stopped"
         if not any(self.peers.is_live(name) for name in self.peers.names()):
             return False, "no decode instance is linked to this prefill"
+        if self._draining:
+            return False, DRAINING
         return True, ""
 
+    def set_draining(self, draining: bool) -> None:
+        self._draining = draining
+
     def stats(self) -> EngineStats:
+        """The engine's blocks; running counts every request this prefill owns,
+        also those decoding on a decode (a drain waits for all of them)."""
         s = self._engine.stats()
-        return EngineStats(s.num_blocks_total, s.num_blocks_free, s.num_running, s.num_waiting)
+        return EngineStats(s.num_blocks_total, s.num_blocks_free, max(s.num_running, len(self._calls) - s.num_waiting),
+                           s.num_waiting)  # fmt: skip
 
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:  # fmt: skip

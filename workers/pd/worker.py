@@ -36,6 +36,11 @@ class PDWorker:
         self._config = config
         self._grpc: grpc.aio.Server | None = None
 
+    @property
+    def backend(self) -> PrefillRole | DecodeRole:
+        """The role serves HTTP too: a prefill takes client requests, a decode refuses them."""
+        return self.role
+
     async def start(self) -> None:
         await self.role.start()
         address = f"{self._server_config.host}:{self._server_config.grpc_port}"

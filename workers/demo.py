@@ -1,0 +1,174 @@
+"""`disagg demo`: a prefill and a decode on this machine, linked, answering a
+few chat prompts through the OpenAI API; then what happened (time to first
+token, time per output token, KV bytes moved, from the workers' /metrics).
+
+The workers are always stopped at the end, on an error or a Ctrl-C too;
+`--serve` keeps them running for the user's own client until Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from disagg.workers.local import WorkerFailed, WorkerProcess, link, spawn_worker
+
+DEFAULT_MODEL = "builtin:smollm2-135m"
+SERVED_NAME = "smollm2"
+PROMPTS = (
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "Write one sentence about the sea.",
+)
+_STOP_GRACE_S = 15.0
+
+
+def add_demo_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL, help="model source (default %(default)s)")
+    p.add_argument("--served-model-name", default=SERVED_NAME, help="the name clients send (default %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens per answer (default %(default)s)")
+    p.add_argument("--kv-transfer-mode", choices=("PUSH", "PULL"), default="PUSH", help="default %(default)s")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default %(default)s")
+    p.add_argument("--startup-timeout", type=float, default=600.0,
+                   help="seconds to wait for the workers to load the model (default %(default)s)")
+    p.add_argument("--serve", action="store_true",
+                   help="after the prompts, keep the workers running for your own client until Ctrl-C")
+    p.add_argument("--log-dir", type=Path, default=None, help="where the workers' logs go (default: a temp folder)")
+
+
+@dataclass(frozen=True)
+class Figures:
+    """What the demo reports, from the workers' /metrics."""
+
+    ttft_s: float | None  # mean time to first token
+    tpot_s: float | None  # mean time per output token after the first
+    kv_bytes_sent: float  # by the prefill
+    kv_bytes_received: float  # by the decode
+
+    @classmethod
+    def read(cls, prefill: WorkerProcess, decode: WorkerProcess) -> Figures:
+        p = _samples(prefill)
+        d = _samples(decode)
+        return cls(
+            ttft_s=_mean(p, "disagg_time_to_first_token_seconds"),
+            tpot_s=_mean(p, "disagg_time_per_output_token_seconds"),
+            kv_bytes_sent=_total(p, "disagg_kv_transfer_bytes_total", direction="sent"),
+            kv_bytes_received=_total(d, "disagg_kv_transfer_bytes_total", direction="received"),
+        )
+
+
+def _samples(worker: WorkerProcess) -> list[tuple[str, dict[str, str], float]]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{worker.base_url}/metrics", timeout=10.0).text
+    return [(s.name, s.labels, s.value) for f in text_string_to_metric_families(text) for s in f.samples]
+
+
+def _total(samples: list[tuple[str, dict[str, str], float]], name: str, **labels: str) -> float:
+    return sum(v for n, lab, v in samples if n == name and all(lab.get(k) == x for k, x in labels.items()))
+
+
+def _mean(samples: list[tuple[str, dict[str, str], float]], histogram: str) -> float | None:
+    count = _total(samples, f"{histogram}_count")
+    return _total(samples, f"{histogram}_sum") / count if count else None
+
+
+@contextmanager
+def running_pair(model: str, log_dir: Path, extra: list[str], startup_timeout_s: float,
+                 mode: str = "PUSH") -> Iterator[tuple[WorkerProcess, WorkerProcess]]:  # fmt: skip
+    """A prefill and a decode on loopback, loaded and linked; both stopped on the way out, whatever happens."""
+    workers: list[WorkerProcess] = []
+    try:
+        for role in ("decode", "prefill"):
+            workers.append(spawn_worker(role, model, log_dir / f"{role}.log",
+                                        ["--kv-transfer-mode", mode, *extra]))  # fmt: skip
+        decode, prefill = workers
+        for w in workers:
+            w.wait_loaded(startup_timeout_s)
+        error = link(decode, prefill)
+        if error is not None:
+            raise WorkerFailed(f"linking decode {decode.instance_name} to prefill {prefill.instance_name}: {error}")
+        _wait_ready(prefill, 30.0)
+        yield prefill, decode
+    finally:
+        for w in reversed(workers):
+            w.stop(_STOP_GRACE_S)
+
+
+def _wait_ready(worker: WorkerProcess, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while httpx.get(f"{worker.base_url}/ready", timeout=5.0).status_code != 200:
+        if time.monotonic() > deadline:
+            raise WorkerFailed(f"the {worker.role} was not ready {timeout_s:.0f} s after the link:\n{worker.log()}")
+        time.sleep(0.1)
+
+
+def _prepare_model(model: str) -> None:
+    """Convert a GGUF source once, here, so the two workers do not both convert it."""
+    from disagg.workers.engine.loader import default_cache_dir, resolve_model_dir
+
+    resolve_model_dir(model, default_cache_dir())
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="disagg-demo-"))
+    extra = ["--device", args.device, "--served-model-name", args.served_model_name, "--max-model-len", "1024"]
+    print(f"disagg demo: {args.model}, one prefill and one decode on 127.0.0.1 (logs in {log_dir})", flush=True)
+    try:
+        print("preparing the model (converted once, then cached in ~/.cache/disagg)...", flush=True)
+        _prepare_model(args.model)
+        print("starting the workers...", flush=True)
+        with running_pair(args.model, log_dir, extra, args.startup_timeout, args.kv_transfer_mode) as (prefill, decode):
+            print(f"linked decode {decode.instance_name} to prefill {prefill.instance_name} "
+                  f"({args.kv_transfer_mode}, tcp)\n", flush=True)  # fmt: skip
+            _ask(prefill, args.served_model_name, args.max_tokens)
+            _report(Figures.read(prefill, decode))
+            if args.serve:
+                _serve(prefill, args.served_model_name)
+    except KeyboardInterrupt:
+        print("\ninterrupted: the workers were stopped", file=sys.stderr)
+        return 130
+    except (WorkerFailed, httpx.HTTPError, OSError) as exc:
+        print(f"disagg demo failed: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _ask(prefill: WorkerProcess, model: str, max_tokens: int) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{prefill.base_url}/v1", api_key="unused", timeout=300.0, max_retries=0)
+    for prompt in PROMPTS:
+        r = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0
+        )
+        answer = (r.choices[0].message.content or "").strip()
+        print(f"> {prompt}\n{answer}\n", flush=True)
+
+
+def _report(f: Figures) -> None:
+    def ms(seconds: float | None) -> str:
+        return "n/a" if seconds is None else f"{seconds * 1000:.1f} ms"
+
+    print(f"time to first token (mean)  {ms(f.ttft_s)}")
+    print(f"time per output token (mean) {ms(f.tpot_s)}")
+    print(f"KV bytes moved: {f.kv_bytes_sent:,.0f} sent by the prefill, {f.kv_bytes_received:,.0f} received by the decode",
+          flush=True)  # fmt: skip
+
+
+def _serve(prefill: WorkerProcess, model: str) -> None:
+    print(f"\nserving: the OpenAI API is at {prefill.base_url}/v1 (model {model!r}); Ctrl-C stops both workers.")
+    print(f"  curl {prefill.base_url}/v1/chat/completions -H 'Content-Type: application/json' "
+          f"-d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'",
+          flush=True)  # fmt: skip
+    while prefill.process.poll() is None:
+        time.sleep(0.5)
+    raise WorkerFailed(f"the prefill exited with {prefill.process.returncode}:\n{prefill.log()}")
