@@ -1,4 +1,8 @@
-"""Fixtures for the end-to-end tests: one real control plane and local kubelet per session.
+"""Session fixtures shared by the test folders: one real control plane (and
+local kubelets) per session, used by tests/e2e and tests/helm alike.
+
+The fixtures start nothing until a test asks for them, so offline test runs
+pay only for these imports.
 
 If the binaries cannot be found or built the fixture fails (never skips):
 a missing control plane must not look like a green run.

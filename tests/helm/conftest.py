@@ -1,4 +1,4 @@
-"""The chart tests' helm runner, and the control plane fixtures of tests/e2e.
+"""The chart tests' helm runner (the control plane fixtures are tests/conftest.py's).
 
 helm is the binary hack/k8s-binaries.sh builds (v3.21.4), found through
 `disagg.testing.binaries`; a missing helm fails the tests (never skips).
@@ -7,7 +7,6 @@ Every helm call has a timeout and private config/cache folders.
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,23 +20,6 @@ from disagg.testing.binaries import BinariesError, find_binaries
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy" / "helm" / "disagg"
 HELM_TIMEOUT_S = 120.0
-
-
-def _load_e2e_conftest() -> Any:
-    # Test folders are not packages: load the e2e fixtures by path, so that the
-    # control plane set-up is written once (tests/e2e/conftest.py).
-    path = ROOT / "tests" / "e2e" / "conftest.py"
-    spec = importlib.util.spec_from_file_location("_e2e_conftest_for_helm", path)
-    assert spec is not None and spec.loader is not None, f"cannot load {path}"
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_e2e = _load_e2e_conftest()
-cluster = _e2e.cluster
-kube = _e2e.kube
-namespace = _e2e.namespace
 
 
 class Manifests(list[dict[str, Any]]):
