@@ -65,7 +65,7 @@ def build_metadata(batch: ForwardBatch, block_size: int) -> AttentionMetadata:
         # table: [..., max_blocks] -> key rows [..., ctx] of positions 0..ctx-1
         cols = torch.arange(ctx, device=device)
         assert ctx <= table.shape[-1] * block_size, f"block table too short for {ctx} tokens"
-        return table[..., cols // block_size] * row_stride + cols % block_size
+        return table.index_select(-1, cols // block_size) * row_stride + cols % block_size
 
     starts = [0]
     for q_len in batch.query_lens:
