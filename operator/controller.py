@@ -114,7 +114,9 @@ class ClusterController:
         load = {v.name: c for v, c in zip(candidates, counts) if c is not None}
         plan = plan_pods(spec, self.name, self.body["metadata"]["uid"], self.views, load)
         for role, name in plan.create:
-            await self.deps.kube.create_pod(self.namespace, m.worker_pod(self.body, role, name, spec))
+            pod = m.worker_pod(self.body, role, name, spec, self.deps.settings.worker_pod_security_context,
+                               self.deps.settings.worker_security_context)
+            await self.deps.kube.create_pod(self.namespace, pod)
         for name in plan.drain:
             await self.deps.kube.annotate_pod(self.namespace, name, {m.DRAINING_ANNOTATION: _now_iso()})
             self._event("Normal", "Draining", f"pod {name} leaves routing and finishes its requests before deletion")

@@ -75,23 +75,27 @@ def login(memo: kopf.Memo, **kwargs: Any) -> kopf.ConnectionInfo | None:
 
 @kopf.on.startup()
 async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
-    ours = OperatorSettings.from_env()
-    configure(settings, ours, standalone=bool(memo.get("standalone")))
-    metrics = OperatorMetrics()
+    """Idempotent: kopf retries a failed startup, so what is already made is kept,
+    and the metrics port is bound last and once."""
+    ours: OperatorSettings = memo.settings
+    configure(settings, ours, memo.namespaces, standalone=bool(memo.get("standalone")), priority=memo.priority)
+    if memo.get("state") is None:
+        memo.state = OperatorState(Deps(
+            settings=ours,
+            kube=KubeApi(_api_client(memo.get("kubeconfig")), ours.api_timeout_s),
+            links=LinkClient(ours.link_timeout_s, ours.link_concurrency),
+            http=httpx.AsyncClient(timeout=httpx.Timeout(5.0)),
+            metrics=OperatorMetrics(),
+        ))
     if ours.metrics_port:
-        metrics.serve(ours.metrics_port)
-    memo.state = OperatorState(Deps(
-        settings=ours,
-        kube=KubeApi(_api_client(memo.get("kubeconfig")), ours.api_timeout_s),
-        links=LinkClient(ours.link_timeout_s, ours.link_concurrency),
-        http=httpx.AsyncClient(timeout=httpx.Timeout(5.0)),
-        metrics=metrics,
-    ))
+        memo.state.deps.metrics.serve(ours.metrics_port)
 
 
 @kopf.on.cleanup()
 async def cleanup(memo: kopf.Memo, **_: Any) -> None:
-    state: OperatorState = memo.state
+    state: OperatorState | None = memo.get("state")
+    if state is None:  # the startup never finished
+        return
     await asyncio.gather(*(c.stop() for c in state.controllers.values()))
     await state.deps.links.close()
     await state.deps.http.aclose()

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 
 import kopf
+
+from disagg.operator.settings import OperatorSettings
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--namespace", action="append", default=[],
-                   help="watch only this namespace (repeatable; default: all namespaces)")
+                   help="watch only this namespace (repeatable; default: DISAGG_OPERATOR_NAMESPACE, "
+                        "else all namespaces)")
     p.add_argument("--kubeconfig", default=None,
                    help="out of a cluster: the kubeconfig to use (default: $KUBECONFIG or ~/.kube/config)")
     p.add_argument("--standalone", action="store_true",
@@ -25,14 +29,21 @@ def run_operator(namespaces: list[str], standalone: bool = False, kubeconfig: st
     """Blocks until the operator stops. Operator settings come from DISAGG_OPERATOR_* (see settings.py)."""
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        settings = OperatorSettings.from_env()
+    except ValueError as e:
+        print(f"disagg operator: {e}", file=sys.stderr)
+        return 2
+    watched = settings.watched(namespaces)
     import disagg.operator.handlers  # noqa: F401  (registers the handlers)
 
     kopf.run(
         standalone=standalone,
-        namespaces=namespaces,
-        clusterwide=not namespaces,
+        namespaces=watched,
+        clusterwide=not watched,
         liveness_endpoint=f"http://0.0.0.0:{liveness_port}/healthz" if liveness_port else None,
-        memo=kopf.Memo(standalone=standalone, kubeconfig=kubeconfig),
+        memo=kopf.Memo(settings=settings, namespaces=watched, standalone=standalone, kubeconfig=kubeconfig,
+                       priority=settings.peering_priority()),
     )
     return 0
 

@@ -98,8 +98,14 @@ def _env(role: str, spec: ClusterSpec) -> list[Obj]:
     return own + [dict(v) for v in spec.role(role).env]
 
 
-def worker_pod(owner: Mapping[str, Any], role: str, name: str, spec: ClusterSpec) -> Obj:
-    """One worker pod of `role`, owned by the DisaggCluster `owner` (its body)."""
+def worker_pod(owner: Mapping[str, Any], role: str, name: str, spec: ClusterSpec,
+               pod_security_context: Mapping[str, Any] | None = None,
+               security_context: Mapping[str, Any] | None = None) -> Obj:
+    """One worker pod of `role`, owned by the DisaggCluster `owner` (its body).
+
+    The security contexts are the operator's defaults for every worker pod
+    (the chart's workerPods values), applied as given.
+    """
     cluster = owner["metadata"]["name"]
     r = spec.role(role)
     container: Obj = {
@@ -123,6 +129,8 @@ def worker_pod(owner: Mapping[str, Any], role: str, name: str, spec: ClusterSpec
                           "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 6},
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_S}}},
     }
+    if security_context:
+        container["securityContext"] = dict(security_context)
     pod_spec: Obj = {
         "containers": [container],
         "restartPolicy": "Always",
@@ -132,7 +140,8 @@ def worker_pod(owner: Mapping[str, Any], role: str, name: str, spec: ClusterSpec
         "enableServiceLinks": False,
     }
     optional = {"nodeSelector": dict(r.node_selector), "tolerations": [dict(t) for t in r.tolerations],
-                "affinity": dict(r.affinity), "priorityClassName": r.priority_class_name}
+                "affinity": dict(r.affinity), "priorityClassName": r.priority_class_name,
+                "securityContext": dict(pod_security_context or {})}
     pod_spec.update({k: v for k, v in optional.items() if v})
     pod: Obj = {
         "apiVersion": "v1",

@@ -12,6 +12,7 @@ from disagg.operator.links import LinkResult
 class OperatorMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         r = self.registry = registry or CollectorRegistry()
+        self.port: int | None = None  # where /metrics is served, once it is
         p = "disagg_operator_"
         self.reconcile_seconds = Histogram(p + "reconcile_duration_seconds", "One reconcile pass.", ["handler"],
                                            registry=r)
@@ -37,5 +38,9 @@ class OperatorMetrics:
             self.link_seconds.labels(res.op.verb, result).observe(res.seconds)
 
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
-        """Expose /metrics on `port` in a background thread."""
+        """Expose /metrics on `port` in a background thread; once (a retried startup calls it again)."""
+        if self.port is not None:
+            assert self.port == port, f"metrics already served on port {self.port}, not {port}"
+            return
         start_http_server(port, addr=host, registry=self.registry)
+        self.port = port

@@ -1,4 +1,5 @@
-"""The operator's own settings: read from environment variables once, at startup.
+"""The operator's own settings: read from environment variables once, when
+`disagg operator` starts, into a frozen dataclass kept in kopf's memo.
 
 The Helm chart sets these variables; `configure` applies them to kopf. Our
 finalizer and annotations live under `disagg.dev` (kopf's defaults under
@@ -7,28 +8,56 @@ kopf.zalando.org are never used).
 
 from __future__ import annotations
 
+import json
+import logging
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass
+import secrets
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import kopf
 
 PREFIX = "DISAGG_OPERATOR_"
 FINALIZER = "disagg.dev/finalizer"
 ANNOTATION_PREFIX = "disagg.dev"
+# Random peering priorities are drawn below this (kopf stores priorities as int32).
+MAX_PRIORITY = 2**31 - 1
+
+log = logging.getLogger(__name__)
+
+
+def _json_object(raw: str) -> dict[str, Any]:
+    value = json.loads(raw)
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _namespaces(raw: str) -> tuple[str, ...]:
+    return tuple(n.strip() for n in raw.split(",") if n.strip())
 
 
 @dataclass(frozen=True)
 class OperatorSettings:
-    namespace: str = ""  # watch only this namespace; "" watches all
+    # Namespaces to watch (comma-separated) when `disagg operator` is given no
+    # --namespace; empty watches all. The flags win when both are given.
+    namespace: tuple[str, ...] = field(default=(), metadata={"parse": _namespaces})
     peering: str = "disagg-operator"  # the KopfPeering object shared by replicas; "" runs standalone
+    # Peering priority: the replica with the highest one acts, the others
+    # stand by; equal priorities pause every replica. 0 draws a random one per
+    # process, so replicas of one Deployment never tie.
+    priority: int = 0
     resync_s: float = 10.0  # level reconcile period (pod events reconcile at once in between)
     reassert_s: float = 60.0  # how often every link is re-sent, so restarted workers converge
     link_timeout_s: float = 5.0  # deadline of one LinkInstance/UnlinkInstance
     link_concurrency: int = 64  # link RPCs in flight at once
-    metrics_poll_s: float = 0.5  # drain: how often a draining worker's /metrics is read
+    metrics_poll_s: float = 0.5  # drain: how often a draining worker's load is read
     metrics_port: int = 8080  # Prometheus /metrics of the operator; 0 disables
     api_timeout_s: float = 30.0  # every Kubernetes API request
+    # Security contexts of the worker pods and containers the operator creates (JSON objects).
+    worker_pod_security_context: Mapping[str, Any] = field(default_factory=dict, metadata={"parse": _json_object})
+    worker_security_context: Mapping[str, Any] = field(default_factory=dict, metadata={"parse": _json_object})
 
     def __post_init__(self) -> None:
         for name in ("resync_s", "reassert_s", "link_timeout_s", "metrics_poll_s", "api_timeout_s"):
@@ -38,26 +67,43 @@ class OperatorSettings:
             raise ValueError(f"{PREFIX}LINK_CONCURRENCY must be at least 1, got {self.link_concurrency}")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"{PREFIX}METRICS_PORT must be a port number, got {self.metrics_port}")
+        if not -MAX_PRIORITY <= self.priority <= MAX_PRIORITY:
+            raise ValueError(f"{PREFIX}PRIORITY must fit in 32 bits, got {self.priority}")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorSettings:
-        """The settings from `DISAGG_OPERATOR_<FIELD>` variables; ValueError names a bad one."""
+        """The settings from `DISAGG_OPERATOR_<FIELD>` variables; ValueError names a bad one.
+
+        Unknown `DISAGG_OPERATOR_*` variables (a typo in the chart's extraEnv)
+        are logged, not fatal.
+        """
         env = os.environ if env is None else env
-        values: dict[str, object] = {}
+        values: dict[str, Any] = {}
         defaults = cls()
-        for name in cls.__dataclass_fields__:
-            raw = env.get(PREFIX + name.upper())
+        for f in fields(cls):
+            raw = env.get(PREFIX + f.name.upper())
             if raw is None:
                 continue
-            kind = type(getattr(defaults, name))
+            parse: Callable[[str], Any] = f.metadata.get("parse") or type(getattr(defaults, f.name))
             try:
-                values[name] = kind(raw)
-            except ValueError:
-                raise ValueError(f"{PREFIX}{name.upper()}={raw!r} is not a {kind.__name__}") from None
-        return cls(**values)  # type: ignore[arg-type]
+                values[f.name] = parse(raw)
+            except ValueError as e:
+                raise ValueError(f"{PREFIX}{f.name.upper()}={raw!r} is invalid: {e}") from None
+        known = {PREFIX + f.name.upper() for f in fields(cls)}
+        for name in sorted(k for k in env if k.startswith(PREFIX) and k not in known):
+            log.warning("ignoring %s: not an operator setting", name)
+        return cls(**values)
+
+    def watched(self, flags: Sequence[str]) -> tuple[str, ...]:
+        """The namespaces to watch: the --namespace flags if any, else ours; () is all."""
+        return tuple(flags) or self.namespace
+
+    def peering_priority(self) -> int:
+        return self.priority or 1 + secrets.randbelow(MAX_PRIORITY - 1)
 
 
-def configure(kopf_settings: kopf.OperatorSettings, ours: OperatorSettings, standalone: bool) -> None:
+def configure(kopf_settings: kopf.OperatorSettings, ours: OperatorSettings, namespaces: Sequence[str],
+              standalone: bool, priority: int) -> None:
     """Apply our settings to kopf (called from the startup handler)."""
     kopf_settings.persistence.finalizer = FINALIZER
     kopf_settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
@@ -66,7 +112,10 @@ def configure(kopf_settings: kopf.OperatorSettings, ours: OperatorSettings, stan
     kopf_settings.peering.standalone = standalone or not ours.peering
     if ours.peering:
         kopf_settings.peering.name = ours.peering
-    kopf_settings.peering.clusterwide = not ours.namespace
+    # A namespaced operator peers through a KopfPeering in each watched
+    # namespace, a cluster-wide one through a ClusterKopfPeering.
+    kopf_settings.peering.clusterwide = not namespaces
+    kopf_settings.peering.priority = priority
     kopf_settings.networking.request_timeout = ours.api_timeout_s
     kopf_settings.watching.server_timeout = 60
     kopf_settings.watching.client_timeout = 90

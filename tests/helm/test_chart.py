@@ -112,10 +112,10 @@ def test_every_operator_setting_env_var_parses(helm: Helm) -> None:
     settings = OperatorSettings.from_env(env)
     assert settings.resync_s == 2.5 and settings.link_concurrency == 7 and settings.peering == ""
     known = {PREFIX + name.upper() for name in OperatorSettings.__dataclass_fields__}
-    # The worker-pod defaults are the chart's request to the operator (see docs/deploy.md).
-    worker_defaults = {PREFIX + "WORKER_POD_SECURITY_CONTEXT", PREFIX + "WORKER_SECURITY_CONTEXT"}
-    assert {k for k in env if k.startswith(PREFIX)} - known == worker_defaults
-    assert json.loads(env[PREFIX + "WORKER_SECURITY_CONTEXT"])["capabilities"] == {"drop": ["ALL"]}
+    assert {k for k in env if k.startswith(PREFIX)} - known == set()
+    # The worker-pod defaults reach the pods the operator creates (manifests.worker_pod).
+    assert settings.worker_security_context["capabilities"] == {"drop": ["ALL"]}
+    assert settings.worker_pod_security_context["runAsNonRoot"] is True
 
 
 # ---- values files -----------------------------------------------------------------

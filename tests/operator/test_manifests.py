@@ -64,3 +64,13 @@ def test_service_selects_only_prefills_of_the_cluster(make_spec: Callable[..., C
     assert svc["spec"]["ports"][0]["targetPort"] == "http"
     assert "disagg.dev/kv-layout" not in svc["metadata"]["labels"]
     assert m.endpoint("llm", "ns", spec) == "http://llm.ns.svc:8000/v1"
+
+
+def test_pod_gets_the_operators_security_contexts(spec: ClusterSpec, owner: Callable[..., Any]) -> None:
+    pod_ctx = {"runAsNonRoot": True, "runAsUser": 65532, "seccompProfile": {"type": "RuntimeDefault"}}
+    ctx = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+    pod = m.worker_pod(owner(), "prefill", "llm-prefill-abcde", spec, pod_ctx, ctx)
+    assert pod["spec"]["securityContext"] == pod_ctx
+    assert pod["spec"]["containers"][0]["securityContext"] == ctx
+    bare = m.worker_pod(owner(), "prefill", "llm-prefill-abcde", spec)
+    assert "securityContext" not in bare["spec"] and "securityContext" not in bare["spec"]["containers"][0]
