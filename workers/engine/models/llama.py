@@ -32,7 +32,7 @@ class LlamaAttention(nn.Module):
         """Hook before RoPE on qk: [T, heads + kvh, hd]; the Llama family leaves it as it is."""
         return qk
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
                 layer_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]; writes this layer's new K/V into layer_cache."""
         tokens = x.shape[0]
@@ -40,7 +40,7 @@ class LlamaAttention(nn.Module):
         # q and k side by side as heads, so that one RoPE call rotates both
         qk = qkv[:, :self.q_size + self.kv_size].view(tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(tokens, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(self.normalize_qk(qk), cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        q, k = apply_rope(self.normalize_qk(qk), cos, signed_sin).split([self.num_heads, self.num_kv_heads], dim=1)
         write_kv(layer_cache, k, v, meta)
         out = paged_attention(q, k, v, layer_cache, meta, self.scale)  # [T, heads, hd]
         return self.o_proj(out.reshape(tokens, self.q_size))
@@ -54,9 +54,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
                 layer_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer_cache, meta)
+        x = x + self.self_attn(self.input_layernorm(x), cos, signed_sin, layer_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -72,9 +72,9 @@ class LlamaModel(nn.Module):
                 meta: AttentionMetadata, on_layer_written: Callable[[int], None] | None) -> torch.Tensor:
         """input_ids, positions: [T]; kv_cache: [layers, blocks, 2, bs, kvh, hd] -> final hidden [T, hidden]."""
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(positions, x.dtype)
+        cos, signed_sin = self.rotary_emb(positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_cache[i], meta)
+            x = layer(x, cos, signed_sin, kv_cache[i], meta)
             if on_layer_written is not None:
                 on_layer_written(i)
         return self.norm(x)
