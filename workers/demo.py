@@ -55,30 +55,17 @@ class Figures:
 
     @classmethod
     def read(cls, prefill: WorkerProcess, decode: WorkerProcess) -> Figures:
-        p = _samples(prefill)
-        d = _samples(decode)
         return cls(
-            ttft_s=_mean(p, "disagg_time_to_first_token_seconds"),
-            tpot_s=_mean(p, "disagg_time_per_output_token_seconds"),
-            kv_bytes_sent=_total(p, "disagg_kv_transfer_bytes_total", direction="sent"),
-            kv_bytes_received=_total(d, "disagg_kv_transfer_bytes_total", direction="received"),
+            ttft_s=_mean(prefill, "disagg_time_to_first_token_seconds"),
+            tpot_s=_mean(prefill, "disagg_time_per_output_token_seconds"),
+            kv_bytes_sent=prefill.metric("disagg_kv_transfer_bytes_total", direction="sent"),
+            kv_bytes_received=decode.metric("disagg_kv_transfer_bytes_total", direction="received"),
         )
 
 
-def _samples(worker: WorkerProcess) -> list[tuple[str, dict[str, str], float]]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(f"{worker.base_url}/metrics", timeout=10.0).text
-    return [(s.name, s.labels, s.value) for f in text_string_to_metric_families(text) for s in f.samples]
-
-
-def _total(samples: list[tuple[str, dict[str, str], float]], name: str, **labels: str) -> float:
-    return sum(v for n, lab, v in samples if n == name and all(lab.get(k) == x for k, x in labels.items()))
-
-
-def _mean(samples: list[tuple[str, dict[str, str], float]], histogram: str) -> float | None:
-    count = _total(samples, f"{histogram}_count")
-    return _total(samples, f"{histogram}_sum") / count if count else None
+def _mean(worker: WorkerProcess, histogram: str) -> float | None:
+    count = worker.metric(f"{histogram}_count")
+    return worker.metric(f"{histogram}_sum") / count if count else None
 
 
 @contextmanager

@@ -65,6 +65,16 @@ class WorkerProcess:
         except FileNotFoundError:
             return f"(no log at {self.log_path})"
 
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum of the samples of `name` in its /metrics that carry these labels (0 if none)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(f"{self.base_url}/metrics", timeout=10.0).text
+        return sum(
+            s.value for family in text_string_to_metric_families(text) for s in family.samples
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+        )  # fmt: skip
+
     def wait_loaded(self, timeout_s: float) -> None:
         """Until /health says the model is loaded and the role's servers are up.
 

@@ -1,11 +1,14 @@
-"""A prefill and a decode in this process, on loopback, serving a tiny random
-model: real engines, real gRPC and a real tcp data path.
+"""Prefill and decode workers on loopback serving a tiny random model: real
+engines, real gRPC and a real tcp data path; in this process or as real
+`disagg serve` processes.
 
 Fixtures:
 - `tiny_model_dir`: a tiny random Llama folder (the engine tests' builder).
 - `pd_pair`: an async context manager factory `pd_pair(mode="PUSH", **engine)`
   giving a linked `Pair` (prefill and decode workers, a decode stub).
 - `reference_tokens`: greedy tokens of the same model run by a plain LLMEngine.
+- `processes`: a module-scoped `Processes` that starts `disagg serve`
+  processes on the tiny model and stops them all at the module's end.
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import socket
-from collections.abc import AsyncIterator, Callable
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +31,7 @@ from disagg.workers.config import KvTransferMode, Role, ServerConfig
 from disagg.workers.engine.config import EngineConfig
 from disagg.workers.engine.llm_engine import LLMEngine
 from disagg.workers.engine.sampling_params import SamplingParams
+from disagg.workers.local import WorkerProcess, spawn_worker
 from disagg.workers.metrics import WorkerMetrics
 from disagg.workers.pd.config import PDConfig
 from disagg.workers.pd.links import InstanceInfo
@@ -159,3 +164,58 @@ class Kit:
 @pytest.fixture
 def kit() -> type[Kit]:
     return Kit
+
+
+# --- `disagg serve` processes --------------------------------------------------
+
+SERVED_NAME = "tiny"
+PROCESS_STARTUP_S = 180.0
+# Room for a few long requests at once (a 400-token request takes 100 blocks).
+PROCESS_ENGINE_ARGS = ("--device", "cpu", "--block-size", str(BLOCK_SIZE), "--num-kv-blocks", "512",
+                       "--max-model-len", "512", "--max-num-seqs", "16", "--served-model-name", SERVED_NAME)
+
+
+def wait_until(predicate: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting until {what}"
+        time.sleep(0.1)
+
+
+class Processes:
+    """`disagg serve` processes of one test module, all stopped at its end."""
+
+    def __init__(self, model: Path, log_dir: Path) -> None:
+        self._model = model
+        self._log_dir = log_dir
+        self.started: list[WorkerProcess] = []
+
+    def spawn(self, role: str, *extra: str) -> WorkerProcess:
+        """Start one (not waiting for it: start several, then `wait_loaded` each)."""
+        log_path = self._log_dir / f"{role}-{len(self.started)}.log"
+        worker = spawn_worker(role, str(self._model), log_path, [*PROCESS_ENGINE_ARGS, *extra],
+                              env={"OMP_NUM_THREADS": "1"})  # fmt: skip
+        self.started.append(worker)
+        return worker
+
+    def start(self, *specs: tuple[str, ...]) -> list[WorkerProcess]:
+        """Start workers (each spec: role, then extra arguments) side by side; wait until all have loaded."""
+        workers = [self.spawn(*spec) for spec in specs]
+        for worker in workers:
+            worker.wait_loaded(PROCESS_STARTUP_S)
+        return workers
+
+    wait_until = staticmethod(wait_until)
+
+    def stop_all(self) -> None:
+        for worker in self.started:
+            worker.stop(grace_s=20.0)
+
+
+@pytest.fixture(scope="module")
+def processes(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Processes]:
+    procs = Processes(tiny_model_dir, tmp_path_factory.mktemp("workers"))
+    try:
+        yield procs
+    finally:
+        procs.stop_all()

@@ -1,0 +1,304 @@
+"""Real `disagg serve` processes on loopback: prefill + decode outputs equal the
+mixed role's through the `openai` client; links through `disagg link`;
+readiness, drain and faults (unlink, a killed decode, a killed prefill).
+
+One set of workers serves the whole module (starting processes is the slow
+part on a small machine): prefill A (PUSH) and prefill B (PULL), each linked
+to decodes D1 and D2, and a mixed worker M as the reference.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from disagg.workers.local import WorkerProcess, link, unlink
+
+BLOCK_SIZE = 4  # PROCESS_ENGINE_ARGS in conftest.py
+MODEL = "tiny"  # its served model name
+# Lengths around the block size: one token, a block minus one, exact blocks, one past.
+PROMPT_LENGTHS = (1, 3, 4, 5, 8, 9, 16, 17, 31, 32, 33)
+LONG = 400  # output tokens of a request that is still running when a fault hits
+FAULT_BOUND_S = 30.0  # an affected request ends within this
+
+
+def prompt_of(n: int, salt: int = 0) -> list[int]:
+    return [(7 * i + 13 * salt + n) % 300 + 3 for i in range(n)]
+
+
+@dataclass
+class Cluster:
+    push: WorkerProcess  # prefill A
+    pull: WorkerProcess  # prefill B
+    d1: WorkerProcess
+    d2: WorkerProcess
+    mixed: WorkerProcess
+
+    @property
+    def prefills(self) -> list[WorkerProcess]:
+        return [self.push, self.pull]
+
+    @property
+    def decodes(self) -> list[WorkerProcess]:
+        return [self.d1, self.d2]
+
+
+@pytest.fixture(scope="module")
+def cluster(processes: Any) -> Cluster:
+    d1, d2, push, pull, mixed = processes.start(
+        ("decode",), ("decode",), ("prefill", "--kv-transfer-mode", "PUSH"), ("prefill", "--kv-transfer-mode", "PULL"),
+        ("mixed",),
+    )  # fmt: skip
+    for d in (d1, d2):
+        for p in (push, pull):
+            assert link(d, p) is None
+    for p in (push, pull):
+        processes.wait_until(lambda: _ready(p) == 200, f"prefill {p.instance_name} is ready")
+    return Cluster(push, pull, d1, d2, mixed)
+
+
+def _ready(worker: WorkerProcess) -> int:
+    return httpx.get(f"{worker.base_url}/ready", timeout=10.0).status_code
+
+
+def client_of(worker: WorkerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{worker.base_url}/v1", api_key="unused", timeout=120.0, max_retries=0)
+
+
+def complete(worker: WorkerProcess, prompt: list[int], max_tokens: int = 12, stream: bool = False) -> list[int]:
+    """Greedy token ids of one completion, through the openai client."""
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    client = client_of(worker)
+    if not stream:
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                      extra_body=extra)  # fmt: skip
+        return list(getattr(r.choices[0], "token_ids"))
+    tokens: list[int] = []
+    for chunk in client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                           stream=True, extra_body=extra):  # fmt: skip
+        for choice in chunk.choices:
+            tokens += getattr(choice, "token_ids", None) or []
+    return tokens
+
+
+def free_blocks(worker: WorkerProcess) -> float:
+    return worker.metric("disagg_kv_blocks_free")
+
+
+# --- outputs -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("mode", ["PUSH", "PULL"])
+def test_greedy_outputs_equal_the_mixed_role(cluster: Cluster, mode: str, stream: bool) -> None:
+    prefill = cluster.push if mode == "PUSH" else cluster.pull
+    for n in PROMPT_LENGTHS:
+        expected = complete(cluster.mixed, prompt_of(n))
+        assert len(expected) == 12
+        assert complete(prefill, prompt_of(n), stream=stream) == expected, f"prompt of {n} tokens"
+    sent = prefill.metric("disagg_kv_transfer_bytes_total", direction="sent")
+    assert sent > 0, "the KV went over the data path"
+
+
+def test_two_prefills_two_decodes_under_concurrent_load(cluster: Cluster) -> None:
+    prompts = [prompt_of(n, salt=s) for s in (1, 2) for n in PROMPT_LENGTHS]
+    received = [d.metric("disagg_kv_transfer_bytes_total", direction="received") for d in cluster.decodes]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        expected = list(pool.map(lambda p: complete(cluster.mixed, p, 16), prompts))
+        got = list(pool.map(lambda ip: complete(cluster.prefills[ip[0] % 2], ip[1], 16, stream=ip[0] % 3 == 0),
+                            enumerate(prompts)))  # fmt: skip
+    assert got == expected
+    after = [d.metric("disagg_kv_transfer_bytes_total", direction="received") for d in cluster.decodes]
+    assert all(a > b for a, b in zip(after, received)), "both decodes took requests"
+
+
+def test_a_decode_refuses_chat_from_clients(cluster: Cluster) -> None:
+    r = httpx.post(f"{cluster.d1.base_url}/v1/chat/completions", timeout=10.0,
+                   json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
+    assert r.status_code == 404
+    assert "decode instance" in r.json()["error"]["message"]
+
+
+# --- links and readiness ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def lone_prefill(processes: Any) -> WorkerProcess:
+    """A prefill with a different block size, linked to nothing."""
+    [p] = processes.start(("prefill", "--block-size", "8"))
+    return p
+
+
+def test_a_prefill_with_no_decode_answers_503(lone_prefill: WorkerProcess) -> None:
+    assert _ready(lone_prefill) == 503
+    with pytest.raises(openai.APIStatusError) as info:
+        complete(lone_prefill, prompt_of(5))
+    assert info.value.status_code == 503
+    assert "no decode" in str(info.value)
+
+
+def test_disagg_link_refuses_a_different_block_size(cluster: Cluster, lone_prefill: WorkerProcess) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "disagg.workers", "link", "--decode", cluster.d1.instance_name,
+         "--prefill", lone_prefill.instance_name, "--prefill-transfer-port", str(lone_prefill.transfer_port)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert "block_size" in result.stderr and "mismatch" in result.stderr, result.stderr
+    assert _ready(lone_prefill) == 503, "a refused link leaves the prefill unlinked"
+
+
+def test_the_http_link_form_links_and_unlinks(cluster: Cluster) -> None:
+    """xLLM's JSON form on the decode's HTTP port, with the same semantics as the gRPC call."""
+    body = {"instance_name": cluster.push.instance_name, "addrs": [cluster.push.transfer_address]}
+    before = cluster.d2.metric("disagg_links")
+    r = httpx.post(f"{cluster.d2.base_url}/xllm.proto.DisaggPDService/LinkInstance", json=body, timeout=30.0)
+    assert r.status_code == 200 and r.json() == {"ok": True}, "linking again is a no-op"
+    assert cluster.d2.metric("disagg_links") == before
+    bad = httpx.post(f"{cluster.d2.base_url}/xllm.proto.DisaggPDService/LinkInstance", json={"addrs": []}, timeout=30.0)
+    assert bad.status_code == 400 and "instance_name" in bad.json()["error"]["message"]
+
+
+# --- drain -------------------------------------------------------------------
+
+
+def test_draining_a_decode_sends_new_requests_to_the_other(cluster: Cluster) -> None:
+    d1, d2 = cluster.decodes
+    r = httpx.post(f"{d2.base_url}/drain", timeout=10.0)
+    try:
+        assert r.status_code == 200 and r.json()["draining"] is True
+        assert d2.metric("disagg_draining") == 1
+        assert _ready(d2) == 503
+        received = d2.metric("disagg_kv_transfer_bytes_total", direction="received")
+        for n in (5, 9, 17):
+            assert complete(cluster.push, prompt_of(n, salt=3)) == complete(cluster.mixed, prompt_of(n, salt=3))
+        assert d2.metric("disagg_kv_transfer_bytes_total", direction="received") == received, "d2 took no request"
+    finally:
+        r = httpx.delete(f"{d2.base_url}/drain", timeout=10.0)
+    assert r.json() == {"draining": False, "in_flight": 0}
+    assert d2.metric("disagg_draining") == 0 and _ready(d2) == 200
+
+
+def test_a_draining_prefill_is_not_ready_and_finishes_what_it_has(cluster: Cluster, processes: Any) -> None:
+    prefill = cluster.pull
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        running = pool.submit(complete, prefill, prompt_of(9), 200, True)
+        processes.wait_until(lambda: prefill.metric("disagg_requests_running") >= 1, "the request runs")
+        status = httpx.post(f"{prefill.base_url}/drain", timeout=10.0).json()
+        try:
+            assert status["draining"] is True and status["in_flight"] >= 1
+            assert _ready(prefill) == 503
+            with pytest.raises(openai.APIStatusError) as info:
+                complete(prefill, prompt_of(5))
+            assert info.value.status_code == 503 and "draining" in str(info.value)
+            assert len(running.result(timeout=120)) == 200, "the request in flight finished"
+            processes.wait_until(lambda: httpx.get(f"{prefill.base_url}/drain").json()["in_flight"] == 0,
+                                 "nothing is in flight")  # fmt: skip
+        finally:
+            httpx.delete(f"{prefill.base_url}/drain", timeout=10.0)
+    assert _ready(prefill) == 200
+
+
+# --- faults ----------------------------------------------------------------------
+
+
+@dataclass
+class Stream:
+    """A long streamed request in a thread: its tokens so far and how it ended."""
+
+    tokens: list[int]
+    future: concurrent.futures.Future[None]
+
+
+@pytest.fixture
+def long_stream(processes: Any) -> Iterator[Any]:
+    pool = concurrent.futures.ThreadPoolExecutor(2)
+
+    def start(prefill: WorkerProcess) -> Stream:
+        tokens: list[int] = []
+
+        def run() -> None:
+            client = client_of(prefill)
+            for chunk in client.completions.create(model=MODEL, prompt=prompt_of(13, salt=7), max_tokens=LONG,
+                                                   temperature=0, stream=True,
+                                                   extra_body={"ignore_eos": True, "return_token_ids": True}):  # fmt: skip
+                for choice in chunk.choices:
+                    tokens.extend(getattr(choice, "token_ids", None) or [])
+
+        stream = Stream(tokens, pool.submit(run))
+        processes.wait_until(lambda: len(tokens) >= 5 or stream.future.done(), "the stream has started")
+        assert not stream.future.done(), f"the stream ended early: {stream.future.exception()}"
+        return stream
+
+    yield start
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _ends_with_an_error(stream: Stream, *words: str) -> None:
+    with pytest.raises(openai.APIError) as info:  # a hang would raise TimeoutError instead
+        stream.future.result(timeout=FAULT_BOUND_S)
+    assert len(stream.tokens) < LONG
+    message = str(info.value)
+    assert any(w in message for w in words), message
+
+
+def test_unlink_during_a_request_fails_it_and_frees_its_blocks(cluster: Cluster, processes: Any,
+                                                              long_stream: Any) -> None:  # fmt: skip
+    prefill = cluster.push
+    assert not unlink(cluster.d2, prefill)  # the request goes to d1
+    start = {w.instance_name: free_blocks(w) for w in (prefill, cluster.d1)}
+    try:
+        stream = long_stream(prefill)
+        assert not unlink(cluster.d1, prefill)
+        _ends_with_an_error(stream, "went away", "unlinked", "aborted")
+        for w in (prefill, cluster.d1):
+            processes.wait_until(lambda: free_blocks(w) == start[w.instance_name], f"{w.role}'s blocks are free")
+    finally:
+        for d in cluster.decodes:
+            assert link(d, prefill) is None
+    processes.wait_until(lambda: _ready(prefill) == 200, "the prefill is linked again")
+    assert complete(prefill, prompt_of(6)) == complete(cluster.mixed, prompt_of(6)), "survivors serve"
+
+
+def test_a_killed_decode_fails_its_requests_and_the_prefill_serves_on(cluster: Cluster, processes: Any,
+                                                                     long_stream: Any) -> None:  # fmt: skip
+    prefill = cluster.push
+    [victim] = processes.start(("decode",))
+    assert link(victim, prefill) is None
+    for d in cluster.decodes:  # only the victim takes new requests
+        httpx.post(f"{d.base_url}/drain", timeout=10.0)
+    try:
+        start = free_blocks(prefill)
+        stream = long_stream(prefill)
+        victim.kill()
+        _ends_with_an_error(stream, "went away", "UNAVAILABLE", "failed")
+        processes.wait_until(lambda: free_blocks(prefill) == start, "the prefill's blocks are free")
+    finally:
+        for d in cluster.decodes:
+            httpx.delete(f"{d.base_url}/drain", timeout=10.0)
+    assert complete(prefill, prompt_of(7)) == complete(cluster.mixed, prompt_of(7)), "survivors serve"
+
+
+def test_a_killed_prefill_frees_its_requests_on_the_decode(cluster: Cluster, processes: Any,
+                                                          long_stream: Any) -> None:  # fmt: skip
+    decode = cluster.d1
+    [victim] = processes.start(("prefill",))
+    assert link(decode, victim) is None
+    processes.wait_until(lambda: _ready(victim) == 200, "the victim is ready")
+    start = free_blocks(decode)
+    stream = long_stream(victim)
+    processes.wait_until(lambda: free_blocks(decode) < start, "the decode holds the request's blocks")
+    victim.kill()
+    with pytest.raises((openai.APIError, httpx.HTTPError)):
+        stream.future.result(timeout=FAULT_BOUND_S)
+    processes.wait_until(lambda: free_blocks(decode) == start, "the decode's blocks are free", timeout=FAULT_BOUND_S)
+    assert decode.metric("disagg_links") == 2, "only the dead prefill's link is gone"
+    assert complete(cluster.push, prompt_of(8)) == complete(cluster.mixed, prompt_of(8)), "survivors serve"
