@@ -22,7 +22,7 @@ import kopf
 from disagg.operator import manifests as m
 from disagg.operator.drain import drain, in_flight
 from disagg.operator.kube import KubeApi
-from disagg.operator.links import LinkClient, LinkGraph
+from disagg.operator.links import LinkClient, LinkGraph, LinkOp
 from disagg.operator.metrics import OperatorMetrics
 from disagg.operator.reconcile import (
     PodView,
@@ -63,7 +63,7 @@ class ClusterController:
     name: str
     deps: Deps
     graph: LinkGraph = field(default_factory=LinkGraph)
-    drains: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    drains: dict[str, asyncio.Task[bool]] = field(default_factory=dict)
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
     last_reassert: float = 0.0
     service_generation: int | None = None
@@ -127,7 +127,8 @@ class ClusterController:
     async def _link(self) -> Any:
         now = time.monotonic()
         reassert = now - self.last_reassert >= self.deps.settings.reassert_s
-        draining = frozenset(v.name for v in self.views if v.is_draining)
+        # A draining pod keeps its links until its drain unlinks it; once gone, its edges are stale.
+        draining = frozenset(v.name for v in self.views if v.is_draining and not v.is_gone)
         plan = plan_links(self.views, self.graph, now, reassert=reassert, keep=draining)
         unlink_ops = [op for _, ops in plan.unlink for op in ops]
         results = await self.deps.links.run(unlink_ops + [op for _, op in plan.link])
@@ -148,24 +149,44 @@ class ClusterController:
         return plan
 
     def _start_drains(self, spec: ClusterSpec) -> None:
+        present = {v.name for v in self.views}
+        for name in [n for n, t in self.drains.items() if n not in present and t.done()]:
+            del self.drains[name]
         for v in self.views:
             task = self.drains.get(v.name)
-            # The gate is False in the API before the wait starts, so no new requests are routed there.
-            if v.is_draining and not v.is_gone and not v.gate and (task is None or task.done()):
+            # A finished drain has deleted its pod (the index may not show it yet); a failed one is retried.
+            retry = task is not None and task.done() and (task.cancelled() or not task.result())
+            # The gate is False in the API before the drain starts, so routing has begun to move away.
+            if v.is_draining and not v.is_gone and not v.gate and (task is None or retry):
                 self.drains[v.name] = asyncio.create_task(self._drain(v, spec), name=f"drain-{v.name}")
 
-    async def _drain(self, pod: PodView, spec: ClusterSpec) -> None:
+    async def _drain(self, pod: PodView, spec: ClusterSpec) -> bool:
+        """drain.py's steps, then unlink from every live peer, then delete; False when it failed."""
         assert pod.draining_since is not None, f"pod {pod.name} is not draining"
+        try:
+            await self._drain_and_delete(pod, pod.draining_since, spec)
+        except Exception:  # noqa: BLE001 - a task's error is nobody's to catch: log it, let the next pass retry
+            log.exception("drain of pod %s failed; the next pass retries it", pod.name)
+            self.wake()
+            return False
+        return True
+
+    async def _drain_and_delete(self, pod: PodView, since: float, spec: ClusterSpec) -> None:
+        outcome = await drain(pod.endpoint, self.deps.http, deadline=since + spec.drain_timeout_s,
+                              grace_s=self.deps.settings.drain_grace_s, poll_s=self.deps.settings.metrics_poll_s)
+        # Peers as the latest pass saw them (a peer may have come or gone during the wait).
         peers = [v.endpoint for v in self.views if v.role != pod.role and v.running and v.ip and not v.is_gone]
-        outcome = await drain(pod.endpoint, peers, self.deps.http, self.deps.links,
-                              deadline=pod.draining_since + spec.drain_timeout_s,
-                              poll_s=self.deps.settings.metrics_poll_s)
-        self.deps.metrics.observe_links(outcome.unlinked)
-        self.graph.forget(self.graph.peers_of(pod.name))
+        ops = [op for peer in peers for op in (LinkOp(False, peer, pod.endpoint), LinkOp(False, pod.endpoint, peer))]
+        results = await self.deps.links.run(ops)
+        self.deps.metrics.observe_links(results)
+        failed = {r.op.target.pod for r in results if not r.ok} | {r.op.payload.pod for r in results if not r.ok}
+        # An edge whose unlink failed stays known: once the pod is gone, the pass unlinks the peer's side again.
+        self.graph.forget(pair for pair in self.graph.peers_of(pod.name) if not failed.intersection(pair))
         await self.deps.kube.delete_pod(self.namespace, pod.name, pod.uid)
-        self.deps.metrics.drain_seconds.observe(time.time() - pod.draining_since)
+        self.deps.metrics.drain_seconds.observe(time.time() - since)
         if outcome.idle:
-            self._event("Normal", "Drained", f"pod {pod.name} finished its requests and was unlinked and deleted")
+            self._event("Normal", "Drained", f"pod {pod.name} finished its requests in {outcome.seconds:.1f} s; "
+                        f"unlinked from {len(peers)} peers and deleted")
         else:
             self.deps.metrics.drain_timeouts.inc()
             self._event("Warning", "DrainTimeout", f"pod {pod.name} still had requests after "

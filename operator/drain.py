@@ -1,25 +1,37 @@
-"""Scale-down without losing requests: wait until a worker is idle, unlink it, delete it.
+"""Scale-down without losing requests: stop new work, wait until idle, then unlink.
 
-The reconcile has already taken the pod out of routing (readiness gate
-False) before a drain starts. Unlinking comes after the wait because an
-unlink fails the requests in flight between the pair (PROTOCOL.md); the
-drain timeout bounds the wait.
+Before a drain starts the reconcile has taken the pod out of routing
+(readiness gate False). The drain then
+
+1. waits `grace_s`, so that load balancers and clients that read the
+   endpoints a moment ago stop sending (the pod still serves meanwhile);
+2. calls the worker's `POST /drain`: a draining prefill answers new client
+   requests and /ready with 503, a draining decode answers AddNewRequests
+   with 404 (prefills pick another decode); requests in flight go on;
+3. polls the worker's /metrics until running plus waiting requests reach 0,
+   until the wall-clock deadline (draining-since + spec.drain.timeoutSeconds).
+
+The caller then unlinks the pod from its peers and deletes it. Unlinking
+comes last because an unlink fails the requests in flight between the pair
+(PROTOCOL.md).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from disagg.operator.links import Endpoint, LinkClient, LinkOp, LinkResult
+from disagg.operator.links import Endpoint
 from disagg.operator.manifests import HTTP_PORT
 
 IN_FLIGHT_METRICS = ("disagg_requests_running", "disagg_requests_waiting")
+
+log = logging.getLogger(__name__)
 
 
 async def in_flight(http: httpx.AsyncClient, ip: str, port: int = HTTP_PORT) -> float | None:
@@ -36,28 +48,35 @@ async def in_flight(http: httpx.AsyncClient, ip: str, port: int = HTTP_PORT) -> 
     return total
 
 
+async def stop_new_work(http: httpx.AsyncClient, ip: str, port: int = HTTP_PORT) -> bool:
+    """`POST /drain` on the worker (idempotent); False when it did not take it."""
+    try:
+        response = await http.post(f"http://{ip}:{port}/drain")
+        response.raise_for_status()
+    except httpx.HTTPError as e:
+        log.warning("POST /drain on %s failed (%s); waiting for its requests anyway", ip, e)
+        return False
+    return True
+
+
 @dataclass(frozen=True)
 class DrainOutcome:
     idle: bool  # False: the timeout cut the wait short
+    stopped: bool  # the worker accepted POST /drain
     seconds: float
-    unlinked: Sequence[LinkResult]
 
 
-async def drain(pod: Endpoint, peers: Sequence[Endpoint], http: httpx.AsyncClient, links: LinkClient,
-                deadline: float, poll_s: float) -> DrainOutcome:
-    """Wait (until the wall-clock `deadline`) for `pod` to have nothing in flight,
-    then unlink it from every peer, on both sides. The caller deletes the pod."""
+async def drain(pod: Endpoint, http: httpx.AsyncClient, deadline: float, grace_s: float,
+                poll_s: float, port: int = HTTP_PORT) -> DrainOutcome:
+    """Steps 1-3 above for `pod` (its HTTP API on `port`); `deadline` is wall-clock (epoch seconds)."""
     began = time.monotonic()
-    idle = False
+    await asyncio.sleep(max(0.0, min(grace_s, deadline - time.time())))
+    stopped = await stop_new_work(http, pod.ip, port)
     while True:
-        count = await in_flight(http, pod.ip)
+        count = await in_flight(http, pod.ip, port)
         # An unreadable worker is gone or broken: nothing more will finish there.
         if count is None or count == 0:
-            idle = True
-            break
+            return DrainOutcome(idle=True, stopped=stopped, seconds=time.monotonic() - began)
         if time.time() >= deadline:
-            break
+            return DrainOutcome(idle=False, stopped=stopped, seconds=time.monotonic() - began)
         await asyncio.sleep(poll_s)
-    ops = [op for peer in peers for op in (LinkOp(False, peer, pod), LinkOp(False, pod, peer))]
-    results = await links.run(ops)
-    return DrainOutcome(idle=idle, seconds=time.monotonic() - began, unlinked=results)

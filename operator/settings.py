@@ -52,7 +52,10 @@ class OperatorSettings:
     reassert_s: float = 60.0  # how often every link is re-sent, so restarted workers converge
     link_timeout_s: float = 5.0  # deadline of one LinkInstance/UnlinkInstance
     link_concurrency: int = 64  # link RPCs in flight at once
-    metrics_poll_s: float = 0.5  # drain: how often a draining worker's load is read
+    # Drain: how long a pod out of routing still takes new work (so load
+    # balancers notice the readiness change first), and how often its load is read.
+    drain_grace_s: float = 2.0
+    metrics_poll_s: float = 0.5
     metrics_port: int = 8080  # Prometheus /metrics of the operator; 0 disables
     api_timeout_s: float = 30.0  # every Kubernetes API request
     # Security contexts of the worker pods and containers the operator creates (JSON objects).
@@ -63,6 +66,8 @@ class OperatorSettings:
         for name in ("resync_s", "reassert_s", "link_timeout_s", "metrics_poll_s", "api_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{PREFIX}{name.upper()} must be positive, got {getattr(self, name)}")
+        if self.drain_grace_s < 0:
+            raise ValueError(f"{PREFIX}DRAIN_GRACE_S must not be negative, got {self.drain_grace_s}")
         if self.link_concurrency < 1:
             raise ValueError(f"{PREFIX}LINK_CONCURRENCY must be at least 1, got {self.link_concurrency}")
         if not 0 <= self.metrics_port <= 65535:
