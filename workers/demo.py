@@ -100,9 +100,12 @@ def _wait_ready(worker: WorkerProcess, timeout_s: float) -> None:
 
 def _prepare_model(model: str) -> None:
     """Convert a GGUF source once, here, so the two workers do not both convert it."""
-    from disagg.workers.engine.loader import default_cache_dir, resolve_model_dir
+    from disagg.workers.engine.loader import ModelLoadError, default_cache_dir, resolve_model_dir
 
-    resolve_model_dir(model, default_cache_dir())
+    try:
+        resolve_model_dir(model, default_cache_dir())
+    except ModelLoadError as exc:
+        raise WorkerFailed(str(exc)) from exc
 
 
 def run_demo(args: argparse.Namespace) -> int:
