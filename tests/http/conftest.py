@@ -13,18 +13,15 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import os
 import re
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
+
+from disagg.workers.local import WorkerFailed, WorkerProcess, spawn_worker
 
 MODEL_NAME = "tiny-llama"
 STARTUP_TIMEOUT_S = 180.0
@@ -48,19 +45,19 @@ def _engine_fixtures_module() -> object:
 
 @dataclass(frozen=True)
 class ServedWorker:
-    base_url: str
+    process: WorkerProcess
     model: str
-    log_path: Path
-    process: subprocess.Popen[bytes]
+
+    @property
+    def base_url(self) -> str:
+        return self.process.base_url
+
+    @property
+    def log_path(self) -> Path:
+        return self.process.log_path
 
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        return self.process.log()
 
 
 @pytest.fixture(scope="session")
@@ -70,41 +67,21 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def start_worker(model: str, log_path: Path, *extra: str, served_model_name: str = MODEL_NAME) -> ServedWorker:
-    """Start `disagg serve --role mixed` on free loopback ports; wait until /ready."""
-    port = free_port()
-    cmd = [
-        sys.executable, "-m", "disagg.workers", "serve", "--role", "mixed", "--model", model,
-        "--host", "127.0.0.1", "--http-port", str(port), "--grpc-port", str(free_port()),
-        "--transfer-port", str(free_port()), "--device", "cpu", "--served-model-name", served_model_name,
-        *extra,
-    ]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    worker = ServedWorker(f"http://127.0.0.1:{port}", served_model_name, log_path, process)
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    with httpx.Client(timeout=5.0) as client:
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise RuntimeError(f"the worker exited with {process.returncode}:\n{worker.log()}")
-            try:
-                if client.get(f"{worker.base_url}/ready").status_code == 200:
-                    return worker
-            except httpx.TransportError:
-                pass  # not listening yet
-            time.sleep(0.2)
-    stop_worker(worker)
-    raise TimeoutError(f"the worker was not ready after {STARTUP_TIMEOUT_S} s:\n{worker.log()}")
+    """Start `disagg serve --role mixed` on free loopback ports; wait until it has loaded (= ready, for mixed)."""
+    process = spawn_worker("mixed", model, log_path, ["--device", "cpu", "--served-model-name", served_model_name,
+                                                      *extra], env={"OMP_NUM_THREADS": "1"})  # fmt: skip
+    worker = ServedWorker(process, served_model_name)
+    try:
+        process.wait_loaded(STARTUP_TIMEOUT_S)
+    except WorkerFailed:
+        stop_worker(worker)
+        raise
+    return worker
 
 
 def stop_worker(worker: ServedWorker) -> int:
     """SIGTERM, then SIGKILL if it does not stop; returns the exit code."""
-    worker.process.terminate()
-    try:
-        return worker.process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        worker.process.kill()
-        return worker.process.wait(timeout=10)
+    return worker.process.stop(grace_s=30.0)
 
 
 @contextlib.contextmanager

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,13 +10,9 @@ from typing import Any
 import httpx
 import pytest
 
+from disagg.workers.local import free_port
+
 SERVE = [sys.executable, "-m", "disagg.workers", "serve"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -41,7 +36,7 @@ def test_unknown_role_is_an_argparse_error() -> None:
 
 @pytest.mark.parametrize("role", ["mixed", "prefill", "decode"])
 def test_missing_model_fails_at_start_with_a_reason(tmp_path: Path, role: str) -> None:
-    ports = [str(_free_port()) for _ in range(3)]
+    ports = [str(free_port()) for _ in range(3)]
     result = _run("--role", role, "--model", str(tmp_path / "missing"), "--host", "127.0.0.1", "--device", "cpu",
                   "--http-port", ports[0], "--grpc-port", ports[1], "--transfer-port", ports[2])  # fmt: skip
     assert result.returncode == 1

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import socket
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ from disagg.workers.config import KvTransferMode, Role, ServerConfig
 from disagg.workers.engine.config import EngineConfig
 from disagg.workers.engine.llm_engine import LLMEngine
 from disagg.workers.engine.sampling_params import SamplingParams
-from disagg.workers.local import WorkerProcess, spawn_worker
+from disagg.workers.local import WorkerProcess, free_port, spawn_worker
 from disagg.workers.metrics import WorkerMetrics
 from disagg.workers.pd.config import PDConfig
 from disagg.workers.pd.links import InstanceInfo
@@ -51,12 +50,6 @@ def _engine_fixtures_module() -> Any:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="session")
