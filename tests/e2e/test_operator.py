@@ -11,8 +11,10 @@ import asyncio
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,7 @@ import httpx
 import pytest
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
+from prometheus_client.parser import text_string_to_metric_families
 
 from disagg.operator import crd
 from disagg.operator import manifests as m
@@ -31,6 +34,7 @@ from disagg.operator.metrics import OperatorMetrics
 from disagg.operator.reconcile import pod_view
 from disagg.operator.settings import OperatorSettings
 from disagg.testing.cluster import LocalCluster, wait_until
+from disagg.testing.controlplane import free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -91,26 +95,65 @@ def worker_path() -> Iterator[None]:
     os.environ["PATH"] = before
 
 
+class OperatorProcess:
+    """`disagg operator` as its own process, standalone, from the admin kubeconfig; restartable."""
+
+    def __init__(self, kubeconfig: Path, log: Path) -> None:
+        self.kubeconfig, self.log = kubeconfig, log
+        self.metrics_port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        assert self.proc is None, "the operator is already running"
+        env = {**os.environ, "DISAGG_OPERATOR_METRICS_PORT": str(self.metrics_port),
+               "DISAGG_OPERATOR_RESYNC_S": "2", "DISAGG_OPERATOR_LINK_TIMEOUT_S": "3",
+               "DISAGG_OPERATOR_DRAIN_GRACE_S": "2", "DISAGG_OPERATOR_METRICS_POLL_S": "0.2"}
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "disagg.operator.main", "--standalone", "--liveness-port", "0",
+                 "--kubeconfig", str(self.kubeconfig)],
+                stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+
+    def stop(self) -> None:
+        assert self.proc is not None, "the operator is not running"
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        self.proc = None
+
+    def metric(self, name: str, **labels: str) -> float:
+        """One sample of the operator's /metrics (0 when absent)."""
+        text = httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).text
+        return sample(text, name, labels)
+
+
 @pytest.fixture
 def operator(cluster: LocalCluster, custom: client.CustomObjectsApi, worker_path: None,
-             tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """`disagg operator` as its own process, standalone, from the admin kubeconfig."""
-    log = tmp_path / "operator.log"
-    env = {**os.environ, "DISAGG_OPERATOR_METRICS_PORT": "0", "DISAGG_OPERATOR_RESYNC_S": "2",
-           "DISAGG_OPERATOR_LINK_TIMEOUT_S": "3"}
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "disagg.operator.main", "--standalone", "--liveness-port", "0",
-             "--kubeconfig", str(cluster.admin_kubeconfig)],
-            stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    yield proc
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=10)
-    sys.stderr.write(log.read_text(errors="replace")[-4000:])
+             tmp_path: Path) -> Iterator[OperatorProcess]:
+    op = OperatorProcess(cluster.admin_kubeconfig, tmp_path / "operator.log")
+    op.start()
+    yield op
+    if op.proc is not None:
+        op.stop()
+    sys.stderr.write(op.log.read_text(errors="replace")[-4000:])
+
+
+def sample(text: str, name: str, labels: dict[str, str] | None = None) -> float:
+    """The sum of `name`'s samples whose labels include `labels`, in a Prometheus text page."""
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in (labels or {}).items()):
+                total += s.value
+    return total
+
+
+def worker_metric(pod: dict[str, Any], name: str) -> float:
+    text = httpx.get(f"http://{pod['status']['podIP']}:{m.HTTP_PORT}/metrics", timeout=5).text
+    return sample(text, name)
 
 
 def cluster_body(name: str, model: str, prefill: int = 1, decode: int = 1, **engine: Any) -> dict[str, Any]:
@@ -219,7 +262,7 @@ def test_a_second_reconcile_writes_nothing(cluster: LocalCluster, custom: client
 # ---- the operator process ---------------------------------------------------------
 
 
-def test_operator_creates_gated_pods_and_the_service(operator: subprocess.Popen[bytes], custom: client.CustomObjectsApi,
+def test_operator_creates_gated_pods_and_the_service(operator: OperatorProcess, custom: client.CustomObjectsApi,
                                                      core: client.CoreV1Api, namespace: str, tiny_model: Path) -> None:
     created = create(custom, namespace, cluster_body("llm", str(tiny_model)))
     wait_until(lambda: len(pods(core, namespace)) == 2 or None, WAIT_S, "two worker pods")
@@ -246,7 +289,11 @@ def test_operator_creates_gated_pods_and_the_service(operator: subprocess.Popen[
     wait_until(lambda: not pods(core, namespace, "decode") or None, WAIT_S, "the decode pod to go")
 
 
-# ---- links (need the PD roles of the workers) ---------------------------------------
+# ---- real workers: links, serving, scaling, failures -------------------------------
+
+
+PROMPT = [{"role": "user", "content": "hi"}]
+MAX_TOKENS = 4
 
 
 def _linked(custom: client.CustomObjectsApi, namespace: str, name: str, prefill: int, decode: int) -> bool:
@@ -256,53 +303,256 @@ def _linked(custom: client.CustomObjectsApi, namespace: str, name: str, prefill:
             and s.get("links", {}).get("established") == prefill * decode)
 
 
-def _chat(pod_ip: str) -> str:
-    r = httpx.post(f"http://{pod_ip}:{m.HTTP_PORT}/v1/chat/completions", timeout=60, json={
-        "model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0})
+def _settled(custom: client.CustomObjectsApi, core: client.CoreV1Api, namespace: str, prefill: int,
+             decode: int) -> bool:
+    """Linked as the status says, and exactly these pods left (drained ones deleted)."""
+    return (_linked(custom, namespace, "llm", prefill, decode) and len(pods(core, namespace, "prefill")) == prefill
+            and len(pods(core, namespace, "decode")) == decode)
+
+
+def _chat(pod_ip: str, timeout_s: float = 60) -> tuple[str, list[int]]:
+    r = httpx.post(f"http://{pod_ip}:{m.HTTP_PORT}/v1/chat/completions", timeout=timeout_s, json={
+        "model": MODEL_NAME, "messages": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
+        "return_token_ids": True})
     r.raise_for_status()
-    return str(r.json()["choices"][0]["message"]["content"])
+    choice = r.json()["choices"][0]
+    return str(choice["message"]["content"]), list(choice["token_ids"])
 
 
-def test_cluster_links_serves_and_scales(operator: subprocess.Popen[bytes], custom: client.CustomObjectsApi,
-                                         core: client.CoreV1Api, namespace: str, tiny_model: Path) -> None:
+def _conditions(pod: dict[str, Any]) -> dict[str, str]:
+    return {c["type"]: c["status"] for c in pod["status"].get("conditions") or []}
+
+
+def _ready_prefills(core: client.CoreV1Api, namespace: str) -> list[str]:
+    """What a Service would route to: Ready prefill pods (Ready needs the linked gate)."""
+    return [p["status"]["podIP"] for p in pods(core, namespace, "prefill")
+            if _conditions(p).get("Ready") == "True" and not p["metadata"].get("deletionTimestamp")]
+
+
+def _scale(custom: client.CustomObjectsApi, namespace: str, role: str, replicas: int) -> None:
+    custom.patch_namespaced_custom_object(crd.GROUP, crd.VERSION, namespace, crd.PLURAL, "llm",
+                                          {"spec": {role: {"replicas": replicas}}}, _request_timeout=10)
+
+
+def _reasons(core: client.CoreV1Api, namespace: str) -> list[str]:
+    return [str(e.reason) for e in core.list_namespaced_event(namespace, _request_timeout=10).items]
+
+
+def _links_of(core: client.CoreV1Api, namespace: str, role: str) -> list[float]:
+    return [worker_metric(p, "disagg_links") for p in pods(core, namespace, role)]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, list[int]]]:
+    """The greedy answer of a `mixed` worker (no disaggregation) with the cluster's engine settings."""
+    http, grpc_port, transfer = free_port(), free_port(), free_port()
+    log = tmp_path_factory.mktemp("mixed") / "mixed.log"
+    spec = cluster_body("ref", str(tiny_model))["spec"]
+    engine = spec["engine"]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "disagg.workers", "serve", "--role", "mixed", "--model", str(tiny_model),
+             "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--http-port", str(http),
+             "--grpc-port", str(grpc_port), "--transfer-port", str(transfer), "--device", "cpu",
+             "--dtype", engine["dtype"], "--block-size", str(engine["blockSize"]),
+             "--num-kv-blocks", str(engine["numKvBlocks"]), "--max-num-seqs", str(engine["maxNumSeqs"])],
+            stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+    try:
+        def ready() -> bool:
+            assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
+            try:
+                return httpx.get(f"http://127.0.0.1:{http}/ready", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(ready, WAIT_S, "the mixed reference worker")
+        r = httpx.post(f"http://127.0.0.1:{http}/v1/chat/completions", timeout=60, json={
+            "model": MODEL_NAME, "messages": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "return_token_ids": True})
+        r.raise_for_status()
+        choice = r.json()["choices"][0]
+        yield str(choice["message"]["content"]), list(choice["token_ids"])
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+class Load:
+    """Chat requests one after another, each to a Ready prefill read from the API
+    just before (as a Service would route), until stopped; every failure is kept."""
+
+    def __init__(self, core: client.CoreV1Api, namespace: str, expected: tuple[str, list[int]]) -> None:
+        self.core, self.namespace, self.expected = core, namespace, expected
+        self.done = 0
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Load:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=90)
+
+    def _run(self) -> None:
+        n = 0
+        while not self._stop.is_set():
+            targets = _ready_prefills(self.core, self.namespace)
+            if not targets:
+                self.failures.append("no Ready prefill to send to")
+                self._stop.wait(0.2)
+                continue
+            ip = targets[n % len(targets)]
+            n += 1
+            try:
+                got = _chat(ip)
+            except httpx.HTTPError as e:
+                detail = e.response.text if isinstance(e, httpx.HTTPStatusError) else ""
+                self.failures.append(f"{ip}: {e!r} {detail}")
+                continue
+            if got != self.expected:
+                self.failures.append(f"{ip} answered {got}, not {self.expected}")
+            self.done += 1
+
+    def wait_for(self, more: int) -> None:
+        """Until `more` further requests have succeeded."""
+        target = self.done + more
+        wait_until(lambda: self.done >= target or None, WAIT_S, f"{more} more requests")
+
+
+def test_one_prefill_one_decode_link_then_serve_the_greedy_text(
+        operator: OperatorProcess, custom: client.CustomObjectsApi, core: client.CoreV1Api, namespace: str,
+        tiny_model: Path, reference: tuple[str, list[int]]) -> None:
     create(custom, namespace, cluster_body("llm", str(tiny_model)))
-    wait_until(lambda: _linked(custom, namespace, "llm", 1, 1), WAIT_S, "one prefill and one decode, linked")
+    seen_ready_unlinked: list[str] = []
+
+    def linked() -> bool:
+        for pod in pods(core, namespace):
+            c = _conditions(pod)
+            if c.get("Ready") == "True" and c.get(m.LINKED_GATE) != "True":
+                seen_ready_unlinked.append(pod["metadata"]["name"])
+        return _linked(custom, namespace, "llm", 1, 1)
+
+    wait_until(linked, WAIT_S, "one prefill and one decode, linked")
+    assert not seen_ready_unlinked, f"Ready before linked: {seen_ready_unlinked}"
     (prefill,) = pods(core, namespace, "prefill")
-    ready = {c["type"]: c["status"] for c in prefill["status"]["conditions"]}
-    assert ready["Ready"] == "True" and ready[m.LINKED_GATE] == "True"
-    answer = _chat(prefill["status"]["podIP"])
-    assert isinstance(answer, str)
+    (decode,) = pods(core, namespace, "decode")
+    gate = next(c for c in prefill["status"]["conditions"] if c["type"] == m.LINKED_GATE)
+    assert gate["status"] == "True" and gate["reason"] == "Linked"
+    assert _conditions(prefill)["Ready"] == "True" and _conditions(decode)["Ready"] == "True"
+    # The workers hold the link the operator made.
+    assert worker_metric(prefill, "disagg_links") == 1 and worker_metric(decode, "disagg_links") == 1
+    assert _chat(prefill["status"]["podIP"]) == reference
 
-    # Decode 1 -> 2: the new decode is linked to the prefill.
+    # `kubectl get dc`: the CRD's printer columns, evaluated on the object as kubectl does.
+    got = core.api_client.sanitize_for_serialization(client.ApiextensionsV1Api(core.api_client)
+                                                     .read_custom_resource_definition(f"{crd.PLURAL}.{crd.GROUP}"))
+    columns = got["spec"]["versions"][0]["additionalPrinterColumns"]
+    obj = read(custom, namespace, "llm")
+
+    def at(path: str) -> Any:
+        value: Any = obj
+        for key in path.strip(".").split("."):
+            value = value[key]
+        return value
+
+    shown = {c["name"]: at(c["jsonPath"]) for c in columns if c["name"] != "Age"}
+    assert shown == {"Prefill": "1/1", "Decode": "1/1", "Links": "1/1", "Available": "True"}
+    conditions = {c["type"]: (c["status"], c["reason"]) for c in obj["status"]["conditions"]}
+    assert conditions == {"Available": ("True", "Serving"), "Progressing": ("False", "Converged"),
+                          "Degraded": ("False", "AsExpected"), "LinksReady": ("True", "AllLinked")}
+
+
+def test_scaling_either_role_under_load_loses_no_request(
+        operator: OperatorProcess, custom: client.CustomObjectsApi, core: client.CoreV1Api, cluster: LocalCluster,
+        namespace: str, tiny_model: Path, reference: tuple[str, list[int]]) -> None:
+    assert cluster.kubelet is not None
+    create(custom, namespace, cluster_body("llm", str(tiny_model)))
+    wait_until(lambda: _settled(custom, core, namespace, 1, 1), WAIT_S, "one prefill and one decode, linked")
+    removed: list[str] = []
+    with Load(core, namespace, reference) as load:
+        load.wait_for(2)
+        for role, other in (("decode", "prefill"), ("prefill", "decode")):
+            _scale(custom, namespace, role, 2)
+            wait_until(lambda: _settled(custom, core, namespace, 2 if role == "prefill" else 1,
+                                        2 if role == "decode" else 1), WAIT_S, f"two {role} pods linked")
+            # The new pod is linked to every peer, as the workers themselves say.
+            assert _links_of(core, namespace, role) == [1.0, 1.0]
+            assert _links_of(core, namespace, other) == [2.0]
+            load.wait_for(2)
+            before = {p["metadata"]["name"] for p in pods(core, namespace, role)}
+            _scale(custom, namespace, role, 1)
+            wait_until(lambda: _settled(custom, core, namespace, 1, 1), WAIT_S, f"back to one {role}")
+            (gone,) = before - {p["metadata"]["name"] for p in pods(core, namespace, role)}
+            removed.append(gone)
+            assert _links_of(core, namespace, other) == [1.0]
+            load.wait_for(2)
+    assert not load.failures, load.failures
+    for name in removed:
+        # The removed worker was drained, then unlinked by the operator's RPCs (not by its own shutdown).
+        log = cluster.kubelet.pod_log(namespace, name).read_text(errors="replace")
+        assert ": unlinked" in log and "this worker is shutting down" not in log, log[-3000:]
+    assert _reasons(core, namespace).count("Drained") == 2
+    assert operator.metric("disagg_operator_drain_duration_seconds_count") == 2
+    assert operator.metric("disagg_operator_drain_timeouts_total") == 0
+    assert operator.metric("disagg_operator_link_operations_total", operation="unlink", result="success") >= 4
+
+
+def test_a_killed_worker_is_replaced_and_an_operator_restart_converges(
+        operator: OperatorProcess, custom: client.CustomObjectsApi, core: client.CoreV1Api, cluster: LocalCluster,
+        namespace: str, tiny_model: Path, reference: tuple[str, list[int]]) -> None:
+    kubelet = cluster.kubelet
+    assert kubelet is not None
+    create(custom, namespace, cluster_body("llm", str(tiny_model)))
+    wait_until(lambda: _settled(custom, core, namespace, 1, 1), WAIT_S, "one prefill and one decode, linked")
+    (decode,) = pods(core, namespace, "decode")
+    unlinks = operator.metric("disagg_operator_link_operations_total", operation="unlink")
+    pid = kubelet.pod_pid(namespace, decode["metadata"]["name"])
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    # The operator unlinks the dead incarnation from its peer, and the prefill leaves routing.
+    wait_until(lambda: operator.metric("disagg_operator_link_operations_total", operation="unlink") > unlinks,
+               WAIT_S, "the operator to unlink the killed decode")
+    wait_until(lambda: _settled(custom, core, namespace, 1, 1) and pods(core, namespace, "decode")[0]["status"]
+               ["containerStatuses"][0]["restartCount"] == 1, WAIT_S, "the restarted decode, linked again")
+    (prefill,) = pods(core, namespace, "prefill")
+    assert _chat(prefill["status"]["podIP"]) == reference
+
+    # Restart the operator in the middle of a scale-up.
     custom.patch_namespaced_custom_object(crd.GROUP, crd.VERSION, namespace, crd.PLURAL, "llm",
-                                          {"spec": {"decode": {"replicas": 2}}}, _request_timeout=10)
-    wait_until(lambda: _linked(custom, namespace, "llm", 1, 2), WAIT_S, "two decodes linked")
-    assert _chat(prefill["status"]["podIP"]) == answer  # greedy: the same text on either decode
+                                          {"spec": {"prefill": {"replicas": 2}, "decode": {"replicas": 2}}},
+                                          _request_timeout=10)
+    wait_until(lambda: len(pods(core, namespace)) == 4 or None, WAIT_S, "the new pods")
+    operator.stop()
+    operator.start()
+    wait_until(lambda: _settled(custom, core, namespace, 2, 2), WAIT_S, "two by two, linked")
+    assert len(pods(core, namespace)) == 4  # no duplicates
+    assert _links_of(core, namespace, "decode") == [2.0, 2.0]
+    assert _links_of(core, namespace, "prefill") == [2.0, 2.0]
+    for ip in _ready_prefills(core, namespace):
+        assert _chat(ip) == reference
 
-    # Decode 2 -> 1: one is drained and deleted; the prefill keeps serving.
-    custom.patch_namespaced_custom_object(crd.GROUP, crd.VERSION, namespace, crd.PLURAL, "llm",
-                                          {"spec": {"decode": {"replicas": 1}}}, _request_timeout=10)
-    wait_until(lambda: len(pods(core, namespace, "decode")) == 1 and _linked(custom, namespace, "llm", 1, 1),
-               WAIT_S, "back to one decode")
-    assert _chat(prefill["status"]["podIP"]) == answer
-    reasons = {e.reason for e in core.list_namespaced_event(namespace, _request_timeout=10).items}
-    assert {"Draining", "Drained"} <= reasons
 
-
-def test_layout_mismatch_never_links(operator: subprocess.Popen[bytes], custom: client.CustomObjectsApi,
+def test_layout_mismatch_never_links(operator: OperatorProcess, custom: client.CustomObjectsApi,
                                      core: client.CoreV1Api, namespace: str, tiny_model: Path) -> None:
     create(custom, namespace, cluster_body("llm", str(tiny_model)))
-    wait_until(lambda: _linked(custom, namespace, "llm", 1, 1), WAIT_S, "one prefill and one decode, linked")
+    wait_until(lambda: _settled(custom, core, namespace, 1, 1), WAIT_S, "one prefill and one decode, linked")
     custom.patch_namespaced_custom_object(crd.GROUP, crd.VERSION, namespace, crd.PLURAL, "llm",
                                           {"spec": {"engine": {"blockSize": 8}, "decode": {"replicas": 2}}},
                                           _request_timeout=10)
 
     def degraded() -> bool:
         s = read(custom, namespace, "llm").get("status") or {}
-        return any(c["type"] == "Degraded" and c["reason"] == "LayoutMismatch" for c in s.get("conditions", []))
+        new = [p for p in pods(core, namespace, "decode") if _conditions(p).get("ContainersReady") == "True"]
+        return len(new) == 2 and any(c["type"] == "Degraded" and c["reason"] == "LayoutMismatch"
+                                     for c in s.get("conditions", []))
 
-    wait_until(degraded, WAIT_S, "a LayoutMismatch condition")
+    wait_until(degraded, WAIT_S, "a LayoutMismatch condition with the new decode running")
     s = read(custom, namespace, "llm")["status"]
     assert s["links"]["established"] == 1  # the old pair only
-    reasons = {e.reason for e in core.list_namespaced_event(namespace, _request_timeout=10).items}
-    assert "LayoutMismatch" in reasons
+    # The workers agree: the prefill holds one link, the new decode none.
+    assert _links_of(core, namespace, "prefill") == [1.0]
+    assert sorted(_links_of(core, namespace, "decode")) == [0.0, 1.0]
+    assert "LayoutMismatch" in _reasons(core, namespace)
