@@ -1,0 +1,199 @@
+"""End to end: prefill + decode (PD) against the mixed role, on real `disagg serve`
+processes on loopback (a script, not a test).
+
+1. Time to first token (TTFT) and time per output token (TPOT) as a streaming
+   client sees them, at a few prompt lengths and concurrencies.
+2. Interference, the case PD exists for: the TPOT of requests that are
+   decoding while long prompts keep arriving, against the same requests with
+   no arrivals.
+
+Every worker gets the same number of compute threads (--threads), so PD uses
+two processes' worth of them and mixed one: on a machine with few cores PD
+and mixed compete for the same cores, which this benchmark does not hide.
+
+    .venv/bin/python benchmarks/bench_pd.py [--model builtin:smollm2-135m] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from disagg.workers.local import WorkerFailed, WorkerProcess, link, spawn_worker
+
+STARTUP_S = 900.0
+SERVED = "bench"
+
+
+@dataclass(frozen=True)
+class Sample:
+    ttft_s: float
+    tpot_s: float | None  # None for a single output token
+
+
+FIRST_ID = 100  # prompt token ids start past the special tokens
+
+
+class Prompts:
+    """Fresh prompts of ordinary token ids: no two share a first token, so no prefix-cache hits."""
+
+    def __init__(self, id_range: int) -> None:
+        self._range = id_range
+        self._count = 0
+
+    def next(self, n: int) -> list[int]:
+        self._count += 1
+        first = FIRST_ID + self._count % self._range
+        return [first] + [FIRST_ID + (7919 * i + 31 * self._count) % self._range for i in range(1, n)]
+
+
+async def stream_one(client: httpx.AsyncClient, worker: WorkerProcess, prompt: list[int], max_tokens: int) -> Sample:
+    """One streamed completion; times as the client sees them."""
+    body = {"model": SERVED, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+    began = time.perf_counter()
+    first = last = None
+    n = 0
+    async with client.stream("POST", f"{worker.base_url}/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(f"{worker.role}: {chunk['error']['message']}")
+            got = sum(len(c.get("token_ids") or ()) for c in chunk["choices"])
+            if got:
+                now = time.perf_counter()
+                first = first or now
+                last = now
+                n += got
+    assert first is not None and last is not None, "a completion streams at least one token"
+    return Sample(first - began, (last - first) / (n - 1) if n > 1 else None)
+
+
+async def run_load(worker: WorkerProcess, prompts: list[list[int]], concurrency: int, max_tokens: int) -> list[Sample]:
+    """One request per prompt, `concurrency` at a time."""
+    todo = list(prompts)
+    samples: list[Sample] = []
+    async with httpx.AsyncClient(timeout=600.0) as client:
+
+        async def user() -> None:
+            while todo:
+                samples.append(await stream_one(client, worker, todo.pop(), max_tokens))
+
+        await asyncio.gather(*(user() for _ in range(concurrency)))
+    return samples
+
+
+async def run_interference(worker: WorkerProcess, prompts: Prompts, decoders: int, decode_tokens: int,
+                           long_prompt: int, arrivals: bool) -> list[Sample]:  # fmt: skip
+    """TPOT of `decoders` running requests; with `arrivals`, long prompts (1 output token) arrive
+    back to back until they finish."""
+    async with httpx.AsyncClient(timeout=600.0) as client:
+        running = [asyncio.create_task(stream_one(client, worker, prompts.next(32), decode_tokens))
+                   for _ in range(decoders)]  # fmt: skip
+        while arrivals and not all(t.done() for t in running):
+            await stream_one(client, worker, prompts.next(long_prompt), 1)
+        return list(await asyncio.gather(*running))
+
+
+def ms(values: Sequence[float | None]) -> str:
+    xs = sorted(v for v in values if v is not None)
+    if not xs:
+        return "       n/a"
+    p90 = xs[min(len(xs) - 1, int(0.9 * len(xs)))]
+    return f"{statistics.mean(xs) * 1e3:7.1f} / {p90 * 1e3:7.1f}"
+
+
+def start_workers(model: str, log_dir: Path, threads: int, mode: str,
+                  started: list[WorkerProcess]) -> tuple[WorkerProcess, WorkerProcess, WorkerProcess]:  # fmt: skip
+    """A linked prefill and decode, and a mixed worker; each appended to `started` as it starts."""
+    extra = ["--served-model-name", SERVED, "--max-model-len", "2048"]
+    env = {"OMP_NUM_THREADS": str(threads)}
+    for role, more in (("decode", []), ("prefill", ["--kv-transfer-mode", mode]), ("mixed", [])):
+        started.append(spawn_worker(role, model, log_dir / f"{role}.log", [*extra, *more], env=env))
+    decode, prefill, mixed = started
+    for w in started:
+        w.wait_loaded(STARTUP_S)
+    error = link(decode, prefill)
+    if error:
+        raise WorkerFailed(f"link: {error}")
+    return prefill, decode, mixed
+
+
+async def bench(prefill: WorkerProcess, mixed: WorkerProcess, args: argparse.Namespace) -> None:
+    targets = {"PD": prefill, "mixed": mixed}
+    prompts = Prompts(args.id_range)
+    for w in targets.values():  # warm up (first-call allocations)
+        await run_load(w, [prompts.next(16)], 1, 4)
+    print(f"\n1. streaming client, {args.max_tokens} output tokens, greedy; mean / p90 in ms")
+    print(f"{'role':6s} {'prompt':>6s} {'conc':>4s} {'reqs':>4s}   {'TTFT mean / p90':>17s}   {'TPOT mean / p90':>17s}")
+    for prompt_len in args.prompt_lens:
+        for conc in args.concurrency:
+            for name, w in targets.items():
+                n = max(args.requests, conc * 2)
+                samples = await run_load(w, [prompts.next(prompt_len) for _ in range(n)], conc, args.max_tokens)
+                print(f"{name:6s} {prompt_len:6d} {conc:4d} {n:4d}   {ms([s.ttft_s for s in samples])}   "
+                      f"{ms([s.tpot_s for s in samples])}", flush=True)  # fmt: skip
+    print(f"\n2. interference: TPOT (ms, mean / p90) of {args.decoders} decoding requests of {args.decode_tokens} "
+          f"tokens, alone and while prompts of {args.long_prompt} tokens keep arriving")  # fmt: skip
+    print(f"{'role':6s}   {'alone':>17s}   {'with arrivals':>17s}   slowdown")
+    for name, w in targets.items():
+        alone = await run_interference(w, prompts, args.decoders, args.decode_tokens, args.long_prompt, False)
+        busy = await run_interference(w, prompts, args.decoders, args.decode_tokens, args.long_prompt, True)
+        a = statistics.mean(s.tpot_s for s in alone if s.tpot_s is not None)
+        b = statistics.mean(s.tpot_s for s in busy if s.tpot_s is not None)
+        print(f"{name:6s}   {ms([s.tpot_s for s in alone])}   {ms([s.tpot_s for s in busy])}   {b / a:6.2f}x",
+              flush=True)  # fmt: skip
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="builtin:smollm2-135m")
+    p.add_argument("--kv-transfer-mode", choices=("PUSH", "PULL"), default="PUSH")
+    p.add_argument("--threads", type=int, default=1, help="compute threads per worker process (default %(default)s)")
+    p.add_argument("--prompt-lens", type=int, nargs="+", default=[32, 512])
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--requests", type=int, default=4, help="requests per case (at least 2x the concurrency)")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--decoders", type=int, default=4)
+    p.add_argument("--decode-tokens", type=int, default=96)
+    p.add_argument("--long-prompt", type=int, default=768)
+    p.add_argument("--id-range", type=int, default=20000,
+                   help="prompt token ids are 100 + [0, this): keep it under the vocabulary (default %(default)s)")
+    p.add_argument("--quick", action="store_true", help="one small case of each kind (a smoke run)")
+    args = p.parse_args()
+    if args.quick:
+        args.prompt_lens, args.concurrency, args.requests, args.max_tokens = [32], [2], 2, 8
+        args.decoders, args.decode_tokens, args.long_prompt = 2, 16, 128
+    print("command:", " ".join([Path(sys.executable).name, *sys.argv]))
+    print(f"model {args.model}, {args.kv_transfer_mode} over tcp, {args.threads} thread(s) per worker")
+    log_dir = Path(tempfile.mkdtemp(prefix="bench-pd-"))
+    workers: list[WorkerProcess] = []
+    try:
+        prefill, _, mixed = start_workers(args.model, log_dir, args.threads, args.kv_transfer_mode, workers)
+        asyncio.run(bench(prefill, mixed, args))
+        sent = prefill.metric("disagg_kv_transfer_bytes_total", direction="sent")
+        print(f"\nKV bytes sent by the prefill: {sent:,.0f} (logs in {log_dir})")
+    except WorkerFailed as exc:
+        print(f"bench_pd: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        for w in workers:
+            w.stop(15.0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
