@@ -13,6 +13,10 @@ One request (a `_Call`):
    computed here (`_TextMirror`): the decode only sends token ids.
 A client that goes away before step 3 ends cancels the reservation; after
 it, the next Generations for the request is answered ok=false.
+
+NOTE: the wire's DisaggRequest has no seed field, so a seeded request's tokens
+after the first are drawn by the decode's own generator and differ from the
+mixed role's for the same seed. Greedy outputs are identical token for token.
 """
 
 from __future__ import annotations
