@@ -1,25 +1,52 @@
-"""How fast the operator's link manager links clusters of growing size.
+"""How fast the operator links pods: real workers on a 2x2 cluster, and the
+link manager alone on clusters of growing size.
 
-Each decode is a minimal stand-in `DisaggPDService` server that records
+Real workers (`--real-repeats`, 0 skips it): the test control plane and local
+kubelet (disagg.testing) run `disagg serve` on a tiny random model; the
+operator's controller runs in this process, one pass after another (each pass
+lists the pods once, as the operator's pod index would hold them). Printed:
+the time from a worker having loaded its model (its /ready no longer says
+"the model is loading"; a prefill's /ready then waits for a link) to its
+readiness gate being True, median and p99 over every pod; and the Kubernetes
+API calls and link RPCs per reconcile pass while the cluster comes up.
+
+Scale (the stand-ins): each decode is a minimal stand-in `DisaggPDService` server that records
 LinkInstance calls (used only for this scale measurement; the e2e tests use
 real workers) on its own loopback address. The operator's real planner
 (reconcile.plan_links) and gRPC client (links.LinkClient) link every decode
 with every prefill, in passes, until the graph is complete.
 
-    .venv/bin/python benchmarks/bench_operator.py --sizes 2 5 10 20 --repeats 5
+    .venv/bin/python benchmarks/bench_operator.py --real-repeats 3 --sizes 2 5 10 20 --repeats 5
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import statistics
+import tempfile
+import threading
 import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import cast
 
 import grpc
+import httpx
+import kopf
+from kubernetes import client, config
 
+from disagg.operator import crd
+from disagg.operator import manifests as m
+from disagg.operator.controller import ClusterController, Deps
+from disagg.operator.kube import KubeApi
 from disagg.operator.links import LinkClient, LinkGraph
-from disagg.operator.reconcile import PodView, plan_links
+from disagg.operator.metrics import OperatorMetrics
+from disagg.operator.reconcile import PodView, plan_links, pod_view
+from disagg.operator.settings import OperatorSettings
+from disagg.testing.cluster import LocalCluster, create_namespace, wait_until
 from disagg.proto import common_pb2, disagg_pd_pb2, disagg_pd_pb2_grpc
 
 
@@ -68,6 +95,147 @@ async def link_cluster(n: int, base: int) -> tuple[float, int, int]:
     return seconds, passes, client.calls
 
 
+# ---- real workers ----------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+SETTLE_S = 300.0
+
+
+def tiny_model(dest: Path) -> Path:
+    """The engine tests' tiny random llama (their builder, loaded by path: tests are not a package)."""
+    path = ROOT / "tests" / "engine" / "conftest.py"
+    spec = importlib.util.spec_from_file_location("_engine_conftest_for_bench", path)
+    assert spec is not None and spec.loader is not None, f"cannot load {path}"
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return Path(module.build_tiny_model("llama", dest))
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+class PodClock:
+    """Polls every worker pod (20 Hz) for when its model was loaded and when its gate went True."""
+
+    def __init__(self, core: client.CoreV1Api, namespace: str) -> None:
+        self.core, self.namespace = core, namespace
+        self.loaded: dict[str, float] = {}
+        self.linked: dict[str, float] = {}
+        self.roles: dict[str, str] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=1.0) as http:
+            while not self._stop.wait(0.05):
+                items = self.core.list_namespaced_pod(self.namespace, label_selector=m.CLUSTER_LABEL,
+                                                      _request_timeout=10).items
+                now = time.monotonic()
+                for pod in items:
+                    assert pod.metadata is not None and pod.status is not None, "the API serves both"
+                    name, ip = str(pod.metadata.name), pod.status.pod_ip
+                    self.roles[name] = (pod.metadata.labels or {}).get(m.ROLE_LABEL, "")
+                    gate = any(c.type == m.LINKED_GATE and c.status == "True" for c in pod.status.conditions or [])
+                    if gate and name not in self.linked:
+                        self.linked[name] = now
+                    if ip and name not in self.loaded:
+                        try:
+                            r = http.get(f"http://{ip}:{m.HTTP_PORT}/ready")
+                        except httpx.HTTPError:
+                            continue
+                        if r.status_code == 200 or "loading" not in r.text:
+                            self.loaded[name] = time.monotonic()
+
+    def stop(self) -> list[float]:
+        """Seconds from linkable (its model loaded, and a peer's) to linked, per pod."""
+        self._stop.set()
+        self._thread.join(timeout=10)
+        out = []
+        for name, linked in self.linked.items():
+            peers = [t for n, t in self.loaded.items() if self.roles[n] != self.roles[name]]
+            if name in self.loaded and peers:
+                out.append(linked - max(self.loaded[name], min(peers)))
+        return out
+
+
+async def bring_up(cluster: LocalCluster, api: client.ApiClient, model: Path, prefill: int,
+                   decode: int) -> tuple[list[float], int, list[tuple[int, int]]]:
+    """Create a DisaggCluster and reconcile until every pod is linked: (linkable-to-linked
+    seconds per pod, passes, (API calls, link RPCs) of each pass that acted)."""
+    kube_admin = cluster.kube(admin=True)
+    namespace = f"bench-{uuid.uuid4().hex[:6]}"
+    create_namespace(kube_admin, namespace)
+    custom, core = client.CustomObjectsApi(api), client.CoreV1Api(api)
+    body = {"apiVersion": f"{crd.GROUP}/{crd.VERSION}", "kind": crd.KIND, "metadata": {"name": "llm"},
+            "spec": {"model": {"source": str(model), "servedName": "tiny"}, "image": "local",
+                     "prefill": {"replicas": prefill}, "decode": {"replicas": decode},
+                     "engine": {"device": "cpu", "dtype": "float32", "blockSize": 4, "numKvBlocks": 128,
+                                "maxNumSeqs": 4}}}
+    custom.create_namespaced_custom_object(crd.GROUP, crd.VERSION, namespace, crd.PLURAL, body, _request_timeout=10)
+    kube = KubeApi(api)
+    deps = Deps(settings=OperatorSettings(metrics_port=0), kube=kube, links=LinkClient(timeout_s=3.0),
+                http=httpx.AsyncClient(timeout=2.0), metrics=OperatorMetrics(), post_event=lambda *_: None)
+    controller = ClusterController(namespace, "llm", deps)
+    clock = PodClock(core, namespace)
+    busy: list[tuple[int, int]] = []  # (API calls, RPCs) of each pass that did more than read
+    passes, deadline = 0, time.monotonic() + SETTLE_S
+    try:
+        while len(clock.linked) < prefill + decode:
+            assert time.monotonic() < deadline, "the cluster did not link in time"
+            kube.calls += 1  # the pod list below stands for the operator's pod index (a watch)
+            pods = await asyncio.to_thread(core.list_namespaced_pod, namespace, label_selector=m.CLUSTER_LABEL,
+                                           _request_timeout=10)
+            obj = await asyncio.to_thread(custom.get_namespaced_custom_object, crd.GROUP, crd.VERSION, namespace,
+                                          crd.PLURAL, "llm", _request_timeout=10)
+            views = [pod_view(p) for p in api.sanitize_for_serialization(pods.items)]
+            calls, rpcs = kube.calls, deps.links.calls
+            await controller.reconcile(kopf.Body(cast(kopf.RawBody, obj)), views)
+            passes += 1
+            if kube.calls > calls or deps.links.calls > rpcs:
+                busy.append((kube.calls - calls + 1, deps.links.calls - rpcs))
+            await asyncio.sleep(0.1)
+    finally:
+        seconds = clock.stop()
+        await controller.stop()
+        await deps.links.close()
+        await deps.http.aclose()
+        kube_admin.delete(f"/api/v1/namespaces/{namespace}")
+        kube_admin.close()
+    return seconds, passes, busy
+
+
+async def real_workers(repeats: int, prefill: int, decode: int) -> None:
+    with tempfile.TemporaryDirectory() as tmp, LocalCluster() as cluster, \
+            config.new_client_from_config(config_file=str(cluster.admin_kubeconfig)) as api:
+        ext = client.ApiextensionsV1Api(api)
+        ext.create_custom_resource_definition(crd.crd(), _request_timeout=10)
+        def established() -> bool:
+            got = ext.read_custom_resource_definition(f"{crd.PLURAL}.{crd.GROUP}", _request_timeout=10)
+            return any(c.type == "Established" and c.status == "True" for c in (got.status and got.status.conditions) or [])
+
+        wait_until(established, 30, "the CRD")
+        model = tiny_model(Path(tmp) / "tiny-llama")
+        samples: list[float] = []
+        busy: list[tuple[int, int]] = []
+        passes = 0
+        for _ in range(repeats):
+            seconds, n, acted = await bring_up(cluster, api, model, prefill, decode)
+            samples, busy, passes = samples + seconds, busy + acted, passes + n
+        calls, rpcs = [c for c, _ in busy], [r for _, r in busy]
+        print(f"real workers, {prefill}x{decode}, {repeats} bring-ups, {len(samples)} pods:")
+        print(f"  linkable (own model and a peer's loaded) -> gate True: median {statistics.median(samples):.3f} s, "
+              f"p99 {percentile(samples, 0.99):.3f} s")
+        print(f"  {passes} passes, {len(busy)} of them acted; per acting pass: API calls median "
+              f"{statistics.median(calls):.0f} max {max(calls)}, link RPCs median {statistics.median(rpcs):.0f} "
+              f"max {max(rpcs)} (total {sum(calls)} calls, {sum(rpcs)} RPCs); an idle pass: 1 call (the pod list)")
+
+
+# ---- the link manager alone, at scale ----------------------------------------
+
+
 async def main(sizes: list[int], repeats: int) -> None:
     print(f"{'size':>7} {'links':>6} {'median s':>9} {'p99 s':>8} {'passes':>6} {'RPCs':>5}")
     for k, n in enumerate(sizes):
@@ -81,5 +249,8 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", type=int, nargs="+", default=[2, 5, 10, 20])
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--real-repeats", type=int, default=3, help="2x2 bring-ups with real workers (0: none)")
     args = p.parse_args()
+    if args.real_repeats:
+        asyncio.run(real_workers(args.real_repeats, 2, 2))
     asyncio.run(main(args.sizes, args.repeats))
