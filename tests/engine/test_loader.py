@@ -83,6 +83,16 @@ def test_fused_projections_hold_the_checkpoint_tensors(tiny_model: Callable[...,
     torch.testing.assert_close(attn.qkv_proj.bias, expected_b, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_matmul_weights_are_stored_input_major(tiny_model: Callable[..., Path], tied: bool) -> None:
+    model = load_model(str(tiny_model("llama", tied=tied)), torch.bfloat16, CPU).model
+    output = model.model.embed_tokens if tied else model.lm_head
+    layer = model.model.layers[0]
+    for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                   layer.mlp.down_proj, output):
+        assert linear is not None and linear.weight.t().is_contiguous(), "the fast CPU matmul layout was lost"
+
+
 def test_sharded_safetensors_load_like_one_file(tiny_model: Callable[..., Path]) -> None:
     sharded_dir = tiny_model("qwen3", max_shard_size="50KB")
     assert len(list(sharded_dir.glob("*.safetensors"))) > 1

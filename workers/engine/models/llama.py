@@ -11,7 +11,7 @@ from torch import nn
 from disagg.workers.engine.attention import AttentionMetadata, build_metadata, paged_attention, write_kv
 from disagg.workers.engine.forward_batch import ForwardBatch
 from disagg.workers.engine.model_config import ModelConfig
-from disagg.workers.engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
+from disagg.workers.engine.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rope, input_major
 
 
 class WeightLoadError(ValueError):
@@ -25,8 +25,8 @@ class LlamaAttention(nn.Module):
         self.q_size, self.kv_size = config.q_size, config.kv_size
         self.scale = config.head_dim ** -0.5
         # weight rows: [q (heads * hd) | k (kvh * hd) | v (kvh * hd)]
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
 
     def normalize_qk(self, qk: torch.Tensor) -> torch.Tensor:
         """Hook before RoPE on qk: [T, heads + kvh, hd]; the Llama family leaves it as it is."""
@@ -64,6 +64,10 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, attention_cls: type[LlamaAttention]) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        if config.tie_word_embeddings:
+            # It is also the output projection, whose matmul favours this layout;
+            # the lookup of a few rows barely notices it.
+            self.embed_tokens.weight = input_major(config.vocab_size, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(config)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, attention_cls) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -97,7 +101,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, self.attention_cls)
         # With tied embeddings the output projection is the embedding matrix itself.
         self.lm_head = None if config.tie_word_embeddings else \
-            nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            Linear(config.hidden_size, config.vocab_size, bias=False)
 
     @classmethod
     def create(cls, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
