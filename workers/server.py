@@ -138,7 +138,8 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig, builde
     _install_signal_handlers(http)
     http_task = asyncio.create_task(http.serve(), name="http")
     load_task = _in_daemon_thread(builder, engine_config, server_config, metrics)
-    done, _ = await asyncio.wait([http_task, load_task], return_when=asyncio.FIRST_COMPLETED)
+    first: list[asyncio.Future[Any]] = [http_task, load_task]
+    done, _ = await asyncio.wait(first, return_when=asyncio.FIRST_COMPLETED)
     if load_task not in done:
         # Stopped while loading: the loader thread cannot be interrupted; it is
         # a daemon, so the process exits without waiting for it.

@@ -57,6 +57,8 @@ class _HookedRunner(ModelRunner):
 
 
 class PDEngine(LLMEngine):
+    model_runner: ModelRunner  # a _HookedRunner, set in __init__
+
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         r: ModelRunner = self.model_runner
