@@ -13,6 +13,7 @@ import logging
 import queue
 import select
 import socket
+import struct
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -54,6 +55,25 @@ SOCKET_BUFFER_BYTES = 4 << 20
 _IDLE_POLL_S = 0.5  # how often an idle reader looks at the closed flag
 
 
+def tune_socket(sock: socket.socket, io_timeout: float) -> None:
+    """Make a handshaken socket ready for bulk frames, every wait still bounded by `io_timeout`.
+
+    The socket goes to blocking mode with the kernel's SO_RCVTIMEO/SO_SNDTIMEO
+    as the bound: then one `sendmsg` queues a whole batch and one MSG_WAITALL
+    `recvmsg_into` fills one, where Python's timeout mode would poll and return
+    after every packet. NODELAY lets small frames (ACK, READ) leave at once.
+    """
+    assert io_timeout > 0, f"io_timeout must be positive, got {io_timeout}"
+    sock.settimeout(None)
+    seconds = int(io_timeout)
+    timeval = struct.pack("@ll", seconds, int((io_timeout - seconds) * 1_000_000))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
+
+
 class PayloadIO(Protocol):
     """Moves the KV bytes of a frame: over the socket (PoolIO) or a side channel (NCCL)."""
 
@@ -86,10 +106,7 @@ class _Connection:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._closed = False
-        sock.settimeout(io_timeout)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
+        tune_socket(sock, io_timeout)
         self._threads = [
             threading.Thread(target=self._send_loop, name="kv-send", daemon=True),
             threading.Thread(target=self._read_loop, name="kv-read", daemon=True),

@@ -46,6 +46,8 @@ HEADER = struct.Struct("<4sBBHQIIIQ")
 RUN = struct.Struct("<III")
 TRAILER = struct.Struct("<Q")
 MAX_REASON_BYTES = 4096
+# Buffers per sendmsg / recvmsg_into call: well under Linux's UIO_MAXIOV (1024).
+MAX_IOV = 512
 
 
 class Kind(IntEnum):
@@ -156,20 +158,52 @@ def encode_frame(frame: Frame) -> bytes:
 def recv_exact(sock: socket.socket, size: int) -> bytes:
     """Read exactly `size` bytes. Raises ConnectionError on EOF (socket timeouts propagate)."""
     buffer = bytearray(size)
-    recv_into_exact(sock, memoryview(buffer))
+    recv_into_views(sock, [memoryview(buffer)])
     return bytes(buffer)
 
 
-def recv_into_exact(sock: socket.socket, view: memoryview, hasher: Hasher | None = None) -> None:
-    """Fill `view` from the socket, hashing each piece while it is still in cache."""
-    got = 0
-    while got < len(view):
-        n = sock.recv_into(view[got:])
+def _advance(views: list[memoryview], done: int) -> list[memoryview]:
+    """What is left of `views` once their first `done` bytes have moved."""
+    while views and done >= len(views[0]):
+        done -= len(views[0])
+        views = views[1:]
+    if done:
+        views = [views[0][done:], *views[1:]]
+    return views
+
+
+def _timed_out(exc: BlockingIOError, what: str) -> TimeoutError:
+    # A blocking socket whose SO_RCVTIMEO / SO_SNDTIMEO ran out reports EAGAIN.
+    return TimeoutError(f"{what} made no progress within the socket timeout ({exc})")
+
+
+def recv_into_views(sock: socket.socket, views: Sequence[memoryview]) -> None:
+    """Fill every view, in order, with as few system calls as the kernel allows.
+
+    One `recvmsg_into` scatters into many views; MSG_WAITALL makes a blocking
+    socket return only when they are full (or on timeout, signal or EOF, which
+    the loop handles). Raises ConnectionError on EOF, TimeoutError on a stall.
+    """
+    left = [view for view in views if len(view)]
+    while left:
+        try:
+            n = sock.recvmsg_into(left[:MAX_IOV], 0, socket.MSG_WAITALL)[0]
+        except BlockingIOError as exc:
+            raise _timed_out(exc, "receive") from exc
         if n == 0:
             raise ConnectionError("peer closed the transfer connection")
-        if hasher is not None:
-            hasher.update(view[got : got + n])
-        got += n
+        left = _advance(left, n)
+
+
+def send_views(sock: socket.socket, views: Sequence[memoryview | bytes], flags: int = 0) -> None:
+    """Send every buffer, in order, gathered into as few `sendmsg` calls as the kernel allows."""
+    left = [memoryview(view) for view in views if len(view)]
+    while left:
+        try:
+            n = sock.sendmsg(left[:MAX_IOV], (), flags)
+        except BlockingIOError as exc:
+            raise _timed_out(exc, "send") from exc
+        left = _advance(left, n)
 
 
 def recv_frame(sock: socket.socket, max_blocks: int, max_layers: int, block_bytes: int) -> Frame:
