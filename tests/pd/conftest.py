@@ -201,8 +201,11 @@ class Processes:
     wait_until = staticmethod(wait_until)
 
     def stop_all(self) -> None:
-        for worker in self.started:
-            worker.stop(grace_s=20.0)
+        """SIGTERM every worker still running; each must shut down cleanly (exit 0)."""
+        running = [w for w in self.started if w.process.poll() is None]
+        codes = [w.stop(grace_s=20.0) for w in running]
+        bad = [f"{w.role} {w.instance_name} exited {code}:\n{w.log()}" for w, code in zip(running, codes) if code]
+        assert not bad, "\n".join(bad)
 
 
 @pytest.fixture(scope="module")
