@@ -87,7 +87,7 @@ async def link_cluster(n: int, base: int) -> tuple[float, int, int]:
         passes += 1
         results = await client.run([op for _, op in plan.link])
         for (pair, _), result in zip(plan.link, results):
-            graph.record_link(pair, result, time.monotonic())
+            graph.record_link(pair, result, time.monotonic(), plan.observed[pair])
     seconds = time.perf_counter() - began
     assert len(graph.edges) == n * n and all(len(r.linked) == n for r in recorders), "not fully linked"
     await client.close()

@@ -14,23 +14,25 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 import httpx
 import kopf
 
 from disagg.operator import manifests as m
 from disagg.operator.drain import drain, in_flight
+from disagg.operator.health import model_loaded
 from disagg.operator.kube import KubeApi
 from disagg.operator.links import LinkClient, LinkGraph, LinkOp
 from disagg.operator.metrics import OperatorMetrics
 from disagg.operator.reconcile import (
+    LinkPlan,
     PodView,
     plan_gates,
     plan_links,
     plan_pods,
     stale_failures,
     surplus,
+    with_loaded,
 )
 from disagg.operator.settings import OperatorSettings
 from disagg.operator.spec import ROLES, ClusterSpec, parse_spec
@@ -70,6 +72,7 @@ class ClusterController:
     reported: set[tuple[str, ...]] = field(default_factory=set)  # Events already posted, not to repeat them
     body: kopf.Body = field(default_factory=lambda: kopf.Body({}))
     views: list[PodView] = field(default_factory=list)
+    loaded: set[str] = field(default_factory=set)  # incarnations whose /health said their model is loaded
 
     def wake(self) -> None:
         self.wakeup.set()
@@ -92,6 +95,7 @@ class ClusterController:
             await self.deps.kube.apply_service(self.namespace, m.prefill_service(body, spec))
             self.service_generation = generation
         await self._scale(spec)
+        await self._observe_models()
         plan = await self._link()
         for flip in plan_gates(self.views, self.graph, plan.desired):
             await self.deps.kube.set_pod_condition(self.namespace, flip.pod, {
@@ -105,6 +109,8 @@ class ClusterController:
         self._export(plan.desired, len(plan.mismatched))
         due = self.graph.next_due()
         resync = self.deps.settings.resync_s
+        if any(v.awaits_model for v in self.views):
+            resync = min(resync, self.deps.settings.health_poll_s)
         return resync if due is None else max(0.05, min(resync, due - time.monotonic()))
 
     async def _scale(self, spec: ClusterSpec) -> None:
@@ -124,7 +130,16 @@ class ClusterController:
         for name in plan.delete:
             await self.deps.kube.delete_pod(self.namespace, name, by_name[name].uid)
 
-    async def _link(self) -> Any:
+    async def _observe_models(self) -> None:
+        """Ask /health of each worker still loading its model, so that it is linked
+        as soon as it can be (and not tried before, which would only grow its backoff)."""
+        self.loaded &= {v.incarnation for v in self.views}
+        asking = [v for v in self.views if v.awaits_model and v.incarnation not in self.loaded]
+        answers = await asyncio.gather(*(model_loaded(self.deps.http, v.ip) for v in asking))
+        self.loaded.update(v.incarnation for v, ok in zip(asking, answers) if ok)
+        self.views = with_loaded(self.views, self.loaded)
+
+    async def _link(self) -> LinkPlan:
         now = time.monotonic()
         reassert = now - self.last_reassert >= self.deps.settings.reassert_s
         # A draining pod keeps its links until its drain unlinks it; once gone, its edges are stale.
@@ -136,7 +151,7 @@ class ClusterController:
         self.graph.forget(pair for pair, _ in plan.unlink)
         self.graph.forget(stale_failures(self.graph, plan.desired))
         for (pair, op), result in zip(plan.link, results[len(unlink_ops):]):
-            self.graph.record_link(pair, result, time.monotonic())
+            self.graph.record_link(pair, result, time.monotonic(), plan.observed[pair])
             if not result.ok:
                 log.info("link %s failed: %s", pair, result.error)
                 self._event("Warning", "LinkFailed", f"decode {pair[0]} could not link prefill {pair[1]}: "

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -21,6 +21,10 @@ from disagg.operator.manifests import GRPC_PORT, TRANSFER_PORT
 from disagg.proto import disagg_pd_pb2, disagg_pd_pb2_grpc
 
 Pair = tuple[str, str]  # (decode pod name, prefill pod name)
+# What the planner saw of a pair's two pods when it tried to link them
+# (reconcile.PodView.observed of each): a failed pair whose pods have changed
+# since is due again at once, with its backoff started afresh.
+Observed = Hashable
 
 BACKOFF_BASE_S = 0.5
 BACKOFF_CAP_S = 30.0
@@ -82,9 +86,10 @@ class Edge:
 
 @dataclass
 class Failure:
-    attempts: int
+    attempts: int  # failures in a row while the pair's pods stayed as `observed`
     next_due: float  # monotonic time of the next attempt
     error: str
+    observed: Observed
 
 
 @dataclass
@@ -98,23 +103,28 @@ class LinkGraph:
         """Linked, and with these incarnations (a restarted worker needs linking again)."""
         return self.edges.get(pair) == Edge(decode, prefill)
 
-    def due(self, pair: Pair, now: float) -> bool:
+    def due(self, pair: Pair, now: float, observed: Observed) -> bool:
+        """Never failed, backed off long enough, or its pods changed since the failure
+        (a worker that has just loaded its model or restarted deserves a try now)."""
         f = self.failures.get(pair)
-        return f is None or now >= f.next_due
+        return f is None or now >= f.next_due or f.observed != observed
 
     def next_due(self) -> float | None:
         return min((f.next_due for f in self.failures.values()), default=None)
 
-    def record_link(self, pair: Pair, result: LinkResult, now: float) -> None:
+    def record_link(self, pair: Pair, result: LinkResult, now: float, observed: Observed) -> None:
+        """The outcome of a link attempt made while the pair's pods were as `observed`."""
         op = result.op
         if result.ok:
             self.edges[pair] = Edge(decode=op.target, prefill=op.payload)
             self.failures.pop(pair, None)
             return
         self.edges.pop(pair, None)
-        attempts = self.failures[pair].attempts + 1 if pair in self.failures else 1
+        before = self.failures.get(pair)
+        # The backoff grows only while nothing changes; a change starts it again from the base.
+        attempts = before.attempts + 1 if before is not None and before.observed == observed else 1
         delay = min(BACKOFF_BASE_S * 2 ** (attempts - 1), BACKOFF_CAP_S)
-        self.failures[pair] = Failure(attempts=attempts, next_due=now + delay, error=result.error)
+        self.failures[pair] = Failure(attempts=attempts, next_due=now + delay, error=result.error, observed=observed)
 
     def forget(self, pairs: Iterable[Pair]) -> None:
         for pair in pairs:

@@ -8,12 +8,12 @@ out the actions. Nothing here talks to the cluster or to a worker.
 from __future__ import annotations
 
 import datetime
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence, Set
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from disagg.operator import manifests as m
-from disagg.operator.links import Endpoint, LinkGraph, LinkOp, Pair
+from disagg.operator.links import Endpoint, LinkGraph, LinkOp, Observed, Pair
 from disagg.operator.spec import ROLES, ClusterSpec
 
 
@@ -34,6 +34,9 @@ class PodView:
     deleting: bool  # deletionTimestamp is set
     draining_since: float | None  # epoch seconds, from the draining annotation
     created: str  # creationTimestamp (RFC 3339 sorts as text)
+    # Its worker said (GET /health) that its model is loaded and its gRPC server
+    # up. Not in the pod: the controller asks the worker and fills it in.
+    loaded: bool = False
 
     @property
     def is_gone(self) -> bool:
@@ -50,18 +53,38 @@ class PodView:
         return not self.is_gone and not self.is_draining
 
     @property
+    def model_loaded(self) -> bool:
+        """Its readiness probe passes (which needs the model) or its /health said so.
+        A prefill's /ready waits for a linked decode, so only /health tells that
+        a prefill can be linked."""
+        return self.containers_ready or self.loaded
+
+    @property
+    def awaits_model(self) -> bool:
+        """A live worker not yet known to have loaded its model: its /health is worth asking."""
+        return self.is_active and self.running and bool(self.ip) and not self.model_loaded
+
+    @property
     def can_link(self) -> bool:
-        """Worth a link attempt. A decode must pass its probe (model loaded); a
-        prefill's /ready waits for a linked decode, so a running prefill is tried
-        and a refused link is simply retried with backoff."""
-        if not self.is_active or not self.running or not self.ip:
-            return False
-        return self.containers_ready or self.role == "prefill"
+        """Worth a link attempt: live, with its model loaded. Before that its gRPC
+        server is not up, and every attempt would fail and grow the backoff."""
+        return self.is_active and self.running and bool(self.ip) and self.model_loaded
+
+    @property
+    def incarnation(self) -> str:
+        """"<pod uid>/<restart count>": a restarted worker is a new incarnation."""
+        return f"{self.uid}/{self.restarts}"
+
+    @property
+    def observed(self) -> tuple[str, str, bool, bool, bool]:
+        """What a link attempt's outcome hangs on; when it changes, a failed link
+        of this pod is tried again at once, its backoff started afresh."""
+        return (self.incarnation, self.ip, self.running, self.containers_ready, self.loaded)
 
     @property
     def endpoint(self) -> Endpoint:
         assert self.ip, f"pod {self.name} has no IP yet"
-        return Endpoint(pod=self.name, incarnation=f"{self.uid}/{self.restarts}", ip=self.ip)
+        return Endpoint(pod=self.name, incarnation=self.incarnation, ip=self.ip)
 
 
 def _epoch(text: str) -> float:
@@ -91,6 +114,12 @@ def pod_view(pod: Mapping[str, Any]) -> PodView:
         draining_since=_epoch(draining) if draining else None,
         created=meta.get("creationTimestamp") or "",
     )
+
+
+def with_loaded(views: Iterable[PodView], loaded: Set[str]) -> list[PodView]:
+    """`views`, marked loaded where their incarnation is in `loaded` (those whose
+    /health said so; a restart makes a new incarnation, which is asked again)."""
+    return [replace(v, loaded=True) if v.incarnation in loaded else v for v in views]
 
 
 # ---- pods -------------------------------------------------------------------
@@ -161,6 +190,8 @@ class LinkPlan:
     link: tuple[tuple[Pair, LinkOp], ...] = ()
     desired: frozenset[Pair] = frozenset()
     mismatched: tuple[tuple[str, str, str, str], ...] = ()  # (decode, its layout, prefill, its layout)
+    # Per desired pair, its pods as planned: record each link result with it (LinkGraph.record_link).
+    observed: Mapping[Pair, Observed] = field(default_factory=dict)
 
 
 def plan_links(views: Sequence[PodView], graph: LinkGraph, now: float, reassert: bool = False,
@@ -170,17 +201,20 @@ def plan_links(views: Sequence[PodView], graph: LinkGraph, now: float, reassert:
     Stale edges (a peer gone, restarted or replaced) are unlinked on whichever
     side is still alive, except edges of the pods in `keep` (draining: their
     drain unlinks them once idle). Missing links are made when their backoff
-    allows; `reassert` re-sends existing ones too (they are idempotent).
+    allows (or at once when a pod of the pair changed since its last failure);
+    `reassert` re-sends existing ones too (they are idempotent).
     """
     by_name = {v.name: v for v in views}
     decodes = [v for v in views if v.role == "decode" and v.can_link]
     prefills = [v for v in views if v.role == "prefill" and v.can_link]
     desired: dict[Pair, tuple[Endpoint, Endpoint]] = {}
+    observed: dict[Pair, Observed] = {}
     mismatched = []
     for d in decodes:
         for p in prefills:
             if d.layout == p.layout:
                 desired[(d.name, p.name)] = (d.endpoint, p.endpoint)
+                observed[(d.name, p.name)] = (d.observed, p.observed)
             else:
                 mismatched.append((d.name, d.layout, p.name, p.layout))
 
@@ -201,9 +235,10 @@ def plan_links(views: Sequence[PodView], graph: LinkGraph, now: float, reassert:
     link = [
         (pair, LinkOp(link=True, target=d, payload=p))
         for pair, (d, p) in desired.items()
-        if (reassert or not graph.established(pair, d, p)) and graph.due(pair, now)
+        if (reassert or not graph.established(pair, d, p)) and graph.due(pair, now, observed[pair])
     ]
-    return LinkPlan(unlink=tuple(unlink), link=tuple(link), desired=frozenset(desired), mismatched=tuple(mismatched))
+    return LinkPlan(unlink=tuple(unlink), link=tuple(link), desired=frozenset(desired), mismatched=tuple(mismatched),
+                    observed=observed)
 
 
 def stale_failures(graph: LinkGraph, desired: Iterable[Pair]) -> list[Pair]:

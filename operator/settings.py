@@ -52,6 +52,10 @@ class OperatorSettings:
     reassert_s: float = 60.0  # how often every link is re-sent, so restarted workers converge
     link_timeout_s: float = 5.0  # deadline of one LinkInstance/UnlinkInstance
     link_concurrency: int = 64  # link RPCs in flight at once
+    # How often a running worker that has not loaded its model yet is asked
+    # GET /health: it is linked within this long of loading (a prefill's
+    # readiness waits for its links, so no pod event says it has loaded).
+    health_poll_s: float = 0.5
     # Drain: how long a pod out of routing still takes new work (so load
     # balancers notice the readiness change first), and how often its load is read.
     drain_grace_s: float = 2.0
@@ -63,7 +67,7 @@ class OperatorSettings:
     worker_security_context: Mapping[str, Any] = field(default_factory=dict, metadata={"parse": _json_object})
 
     def __post_init__(self) -> None:
-        for name in ("resync_s", "reassert_s", "link_timeout_s", "metrics_poll_s", "api_timeout_s"):
+        for name in ("resync_s", "reassert_s", "link_timeout_s", "health_poll_s", "metrics_poll_s", "api_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{PREFIX}{name.upper()} must be positive, got {getattr(self, name)}")
         if self.drain_grace_s < 0:

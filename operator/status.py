@@ -102,7 +102,8 @@ def conditions(spec: ClusterSpec, views: Sequence[PodView], graph: LinkGraph, pl
     elif failures:
         links = Condition("LinksReady", False, "LinkFailed", f"{len(failed)} links failed; retried with backoff")
     elif not desired:
-        links = Condition("LinksReady", False, "NoPeers", "needs a running decode and prefill of the same KV layout")
+        links = Condition("LinksReady", False, "NoPeers", "needs a decode and a prefill of the same KV layout, "
+                           "running with their models loaded")
     else:
         links = Condition("LinksReady", False, "LinksPending", f"{len(established)} of {len(desired)} links made")
     return [available, progressing, degraded, links]

@@ -8,7 +8,6 @@ link tests need the PD roles of the workers (LinkInstance on the gRPC port).
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import os
 import signal
@@ -17,9 +16,10 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
+import kopf
 import pytest
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
@@ -35,6 +35,7 @@ from disagg.operator.reconcile import pod_view
 from disagg.operator.settings import OperatorSettings
 from disagg.testing.cluster import LocalCluster, wait_until
 from disagg.testing.controlplane import free_port
+from disagg.testing.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.e2e
 
@@ -69,7 +70,8 @@ def custom(api: client.ApiClient) -> client.CustomObjectsApi:
 
     def established() -> bool:
         got = ext.read_custom_resource_definition(f"{crd.PLURAL}.{crd.GROUP}", _request_timeout=10)
-        return any(c.type == "Established" and c.status == "True" for c in got.status.conditions or [])
+        conditions = got.status.conditions if got.status is not None else None
+        return any(c.type == "Established" and c.status == "True" for c in conditions or [])
 
     wait_until(established, 30, "the DisaggCluster CRD to be established")
     return client.CustomObjectsApi(api)
@@ -77,13 +79,7 @@ def custom(api: client.ApiClient) -> client.CustomObjectsApi:
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # The builder lives in the engine tests' conftest (test folders are not packages).
-    path = ROOT / "tests" / "engine" / "conftest.py"
-    spec = importlib.util.spec_from_file_location("_engine_conftest_for_operator", path)
-    assert spec is not None and spec.loader is not None, f"cannot load {path}"
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return Path(module.build_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama")))
+    return build_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="module")
@@ -168,15 +164,13 @@ def cluster_body(name: str, model: str, prefill: int = 1, decode: int = 1, **eng
 
 
 def create(custom: client.CustomObjectsApi, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
-    created: dict[str, Any] = custom.create_namespaced_custom_object(
-        crd.GROUP, crd.VERSION, namespace, crd.PLURAL, body, _request_timeout=10)
-    return created
+    return cast(dict[str, Any], custom.create_namespaced_custom_object(
+        crd.GROUP, crd.VERSION, namespace, crd.PLURAL, body, _request_timeout=10))
 
 
 def read(custom: client.CustomObjectsApi, namespace: str, name: str) -> dict[str, Any]:
-    got: dict[str, Any] = custom.get_namespaced_custom_object(crd.GROUP, crd.VERSION, namespace, crd.PLURAL, name,
-                                                              _request_timeout=10)
-    return got
+    return cast(dict[str, Any], custom.get_namespaced_custom_object(
+        crd.GROUP, crd.VERSION, namespace, crd.PLURAL, name, _request_timeout=10))
 
 
 def pods(core: client.CoreV1Api, namespace: str, role: str | None = None) -> list[dict[str, Any]]:
@@ -201,7 +195,7 @@ def test_invalid_resources_are_refused_by_the_api_server(custom: client.CustomOb
     body = {"apiVersion": f"{crd.GROUP}/{crd.VERSION}", "kind": crd.KIND, "metadata": {"name": "bad"}, "spec": spec}
     with pytest.raises(ApiException) as err:
         create(custom, namespace, body)
-    assert err.value.status == 422
+    assert err.value.status == 422 and err.value.body is not None, "a 422 with the API server's explanation"
     assert message in json.loads(err.value.body)["message"]
 
 
@@ -220,8 +214,6 @@ def test_a_second_reconcile_writes_nothing(cluster: LocalCluster, custom: client
                                           core: client.CoreV1Api, namespace: str) -> None:
     """Idempotence: after one pass has created everything, the next pass over
     the same state makes no API write."""
-    import kopf
-
     # No worker ever starts (the command does not exist here): the state holds still between passes.
     body = cluster_body("idem", "m", prefill=1, decode=2)
     body["spec"]["decode"]["env"] = [{"name": "PATH", "value": "/nonexistent"}]
@@ -240,7 +232,7 @@ def test_a_second_reconcile_writes_nothing(cluster: LocalCluster, custom: client
             async def one_pass() -> int:
                 before = kube.writes
                 views = [pod_view(p) for p in pods(core, namespace)]
-                await controller.reconcile(kopf.Body(read(custom, namespace, "idem")), views)
+                await controller.reconcile(kopf.Body(cast(kopf.RawBody, read(custom, namespace, "idem"))), views)
                 return kube.writes - before
 
             first = await one_pass()
@@ -252,6 +244,7 @@ def test_a_second_reconcile_writes_nothing(cluster: LocalCluster, custom: client
 
     first, second, third = asyncio.run(passes())
     assert first >= 4  # the Service, three pods, the status
+    assert second >= 1  # the status now counts the pods
     assert third == 0, f"the third pass wrote {third} times"
     names = sorted(p["metadata"]["name"] for p in pods(core, namespace))
     assert len(names) == 3, names
@@ -274,7 +267,7 @@ def test_operator_creates_gated_pods_and_the_service(operator: OperatorProcess, 
         # Nothing is Ready before its links are made.
         assert not (ready and ready[0]["status"] == "True" and not (gate and gate[0]["status"] == "True"))
     svc = core.read_namespaced_service("llm", namespace, _request_timeout=10)
-    assert svc.spec.selector == {m.CLUSTER_LABEL: "llm", m.ROLE_LABEL: "prefill"}
+    assert svc.spec is not None and svc.spec.selector == {m.CLUSTER_LABEL: "llm", m.ROLE_LABEL: "prefill"}
 
     def status() -> dict[str, Any] | None:
         s: dict[str, Any] | None = read(custom, namespace, "llm").get("status")

@@ -7,7 +7,7 @@ from typing import Any
 
 from disagg.operator import manifests as m
 from disagg.operator.links import Endpoint, LinkGraph, LinkOp, LinkResult
-from disagg.operator.reconcile import PodView, plan_gates, plan_links, plan_pods, pod_view, surplus
+from disagg.operator.reconcile import PodView, plan_gates, plan_links, plan_pods, pod_view, surplus, with_loaded
 from disagg.operator.spec import ClusterSpec
 
 Pod = Callable[..., dict[str, Any]]
@@ -19,8 +19,9 @@ def views_of(*pods: dict[str, Any]) -> list[PodView]:
 
 def link_all(graph: LinkGraph, views: list[PodView]) -> None:
     """Record every planned link as made, as if every RPC succeeded."""
-    for pair, op in plan_links(views, graph, now=0.0).link:
-        graph.record_link(pair, LinkResult(op, True, "", 0.0), now=0.0)
+    plan = plan_links(views, graph, now=0.0)
+    for pair, op in plan.link:
+        graph.record_link(pair, LinkResult(op, True, "", 0.0), now=0.0, observed=plan.observed[pair])
 
 
 def test_pod_view_reads_the_api_shape(spec: ClusterSpec, served_pod: Pod) -> None:
@@ -75,10 +76,11 @@ def test_scale_down_drains_the_least_busy_and_prefers_outdated_layouts(make_spec
 def test_links_pair_every_decode_with_every_prefill_on_the_decode(make_spec: Callable[..., ClusterSpec],
                                                                   served_pod: Pod) -> None:
     spec = make_spec(prefill=2, decode=2)
-    views = views_of(served_pod("prefill", "p1", "127.0.0.11", spec, ready=False),  # waits for a link
-                     served_pod("prefill", "p2", "127.0.0.12", spec),
-                     served_pod("decode", "d1", "127.0.0.21", spec),
-                     served_pod("decode", "d2", "127.0.0.22", spec, ready=False))  # model still loading
+    # p1's /ready waits for a link, but its /health said its model is loaded; d2 is still loading.
+    views = with_loaded(views_of(served_pod("prefill", "p1", "127.0.0.11", spec, ready=False),
+                                 served_pod("prefill", "p2", "127.0.0.12", spec),
+                                 served_pod("decode", "d1", "127.0.0.21", spec),
+                                 served_pod("decode", "d2", "127.0.0.22", spec, ready=False)), {"uid-p1/0"})
     plan = plan_links(views, LinkGraph(), now=0.0)
     assert plan.desired == {("d1", "p1"), ("d1", "p2")}
     ops = dict(plan.link)
@@ -98,15 +100,64 @@ def test_links_are_made_once_then_only_reasserted_on_request(spec: ClusterSpec, 
     assert len(plan_links(views, graph, now=1.0, reassert=True).link) == 1
 
 
+def test_a_pod_is_linkable_once_its_worker_has_loaded_its_model(spec: ClusterSpec, served_pod: Pod) -> None:
+    loading = views_of(served_pod("prefill", "p", "127.0.0.11", spec, ready=False),
+                       served_pod("decode", "d", "127.0.0.21", spec, ready=False))
+    # Running, not ready, and /health not asked yet: no link attempt (it would fail and back off).
+    assert all(v.awaits_model and not v.can_link for v in loading)
+    assert not plan_links(loading, LinkGraph(), now=0.0).desired
+    # The decode's readiness probe passes once it has loaded; a prefill's /ready waits for a link.
+    decode_ready = views_of(served_pod("prefill", "p", "127.0.0.11", spec, ready=False),
+                            served_pod("decode", "d", "127.0.0.21", spec))
+    assert not plan_links(decode_ready, LinkGraph(), now=0.0).desired
+    both = with_loaded(decode_ready, {"uid-p/0"})
+    assert [v.awaits_model for v in both] == [False, False]
+    assert [pair for pair, _ in plan_links(both, LinkGraph(), now=0.0).link] == [("d", "p")]
+    # A restarted worker is a new incarnation: what its predecessor said no longer counts.
+    restarted = with_loaded(views_of(served_pod("prefill", "p", "127.0.0.11", spec, ready=False, restarts=1),
+                                     served_pod("decode", "d", "127.0.0.21", spec)), {"uid-p/0"})
+    assert restarted[0].awaits_model and not plan_links(restarted, LinkGraph(), now=0.0).desired
+    # Draining or terminating pods are not asked.
+    assert not pod_view(served_pod("decode", "d", "127.0.0.21", spec, ready=False, deleting=True)).awaits_model
+
+
+def fail(graph: LinkGraph, views: list[PodView], now: float) -> tuple[str, str]:
+    """Plan the single link of `views` at `now` and record it as refused."""
+    plan = plan_links(views, graph, now=now)
+    ((pair, op),) = plan.link
+    graph.record_link(pair, LinkResult(op, False, "UNAVAILABLE: refused", 0.0), now=now, observed=plan.observed[pair])
+    return pair
+
+
 def test_failed_links_back_off(spec: ClusterSpec, served_pod: Pod) -> None:
     views = views_of(served_pod("prefill", "p", "127.0.0.11", spec), served_pod("decode", "d", "127.0.0.21", spec))
     graph = LinkGraph()
-    (pair, op), = plan_links(views, graph, now=0.0).link
-    graph.record_link(pair, LinkResult(op, False, "UNAVAILABLE: refused", 0.0), now=0.0)
-    graph.record_link(pair, LinkResult(op, False, "UNAVAILABLE: refused", 0.0), now=0.0)
+    pair = fail(graph, views, now=0.0)
+    assert not plan_links(views, graph, now=0.4).link  # backoff: 0.5 s, then 1 s
+    fail(graph, views, now=0.5)
     assert graph.failures[pair].attempts == 2
-    assert not plan_links(views, graph, now=0.5).link  # backoff: 0.5 s, then 1 s
-    assert plan_links(views, graph, now=1.0).link
+    assert not plan_links(views, graph, now=1.4).link
+    assert plan_links(views, graph, now=1.5).link
+
+
+def test_a_change_of_either_pod_restarts_the_backoff(spec: ClusterSpec, served_pod: Pod) -> None:
+    loaded = {"uid-p/0", "uid-p/1"}
+    views = with_loaded(views_of(served_pod("prefill", "p", "127.0.0.11", spec, ready=False),
+                                 served_pod("decode", "d", "127.0.0.21", spec)), loaded)
+    graph = LinkGraph()
+    for now in (0.0, 0.5, 1.5):
+        pair = fail(graph, views, now=now)
+    assert graph.failures[pair].attempts == 3 and not plan_links(views, graph, now=2.0).link  # due at 3.5
+    # The prefill turns ready (it was linked to another decode meanwhile): tried at once...
+    ready = views_of(served_pod("prefill", "p", "127.0.0.11", spec), served_pod("decode", "d", "127.0.0.21", spec))
+    fail(graph, ready, now=2.0)
+    # ...and a failure now backs off from the base again.
+    assert graph.failures[pair].attempts == 1 and graph.failures[pair].next_due == 2.5
+    assert not plan_links(ready, graph, now=2.4).link
+    # A restart of the prefill (a new incarnation, loaded again) is a change too.
+    restarted = with_loaded(views_of(served_pod("prefill", "p", "127.0.0.11", spec, ready=False, restarts=1),
+                                     served_pod("decode", "d", "127.0.0.21", spec)), loaded)
+    assert [op.payload.incarnation for _, op in plan_links(restarted, graph, now=2.1).link] == ["uid-p/1"]
 
 
 def test_dead_or_restarted_peers_are_unlinked_on_the_side_still_alive(spec: ClusterSpec, served_pod: Pod) -> None:

@@ -23,7 +23,7 @@ def test_serving_cluster_reports_available_and_links(spec: ClusterSpec, served_p
     graph = LinkGraph()
     plan = plan_links(views, graph, now=0.0)
     for pair, op in plan.link:
-        graph.record_link(pair, LinkResult(op, True, "", 0.0), now=0.0)
+        graph.record_link(pair, LinkResult(op, True, "", 0.0), now=0.0, observed=plan.observed[pair])
     status = build_status("llm", "ns", 3, spec, views, graph, plan, {}, NOW)
     assert status["observedGeneration"] == 3
     assert status["prefill"] == {"replicas": 1, "ready": 1, "linked": 1, "draining": 0}
@@ -44,7 +44,8 @@ def test_link_failures_and_layout_mismatches_are_degraded_with_reasons(
     graph = LinkGraph()
     plan = plan_links(views, graph, now=0.0)
     ((pair, op),) = plan.link
-    graph.record_link(pair, LinkResult(op, False, "UNAVAILABLE: connection refused", 0.0), now=0.0)
+    graph.record_link(pair, LinkResult(op, False, "UNAVAILABLE: connection refused", 0.0), now=0.0,
+                      observed=plan.observed[pair])
     status = build_status("llm", "ns", 1, spec, views, graph, plan, {}, NOW)
     c = conditions(status)
     assert c["Degraded"] == ("True", "LinkFailed") and c["LinksReady"] == ("False", "LinkFailed")
