@@ -3,12 +3,14 @@ link manager alone on clusters of growing size.
 
 Real workers (`--real-repeats`, 0 skips it): the test control plane and local
 kubelet (disagg.testing) run `disagg serve` on a tiny random model; the
-operator's controller runs in this process, one pass after another (each pass
-lists the pods once, as the operator's pod index would hold them). Printed:
-the time from a worker having loaded its model (its /ready no longer says
-"the model is loading"; a prefill's /ready then waits for a link) to its
-readiness gate being True, median and p99 over every pod; and the Kubernetes
-API calls and link RPCs per reconcile pass while the cluster comes up.
+operator's controller runs in this process, paced as the operator's daemon
+paces it: a pass runs when a pod changed (the pod list, read at 20 Hz, stands
+for the operator's pod watch) or when the delay the last pass asked for has
+run out. Printed: the time from a worker having loaded its model (its /ready
+no longer says "the model is loading"; a prefill's /ready then waits for a
+link) to its readiness gate being True, median and p99 over every pod; and
+the Kubernetes API calls, link RPCs and worker HTTP calls (GET /health of
+workers still loading) per reconcile pass while the cluster comes up.
 
 Scale (the stand-ins): each decode is a minimal stand-in `DisaggPDService` server that records
 LinkInstance calls (used only for this scale measurement; the e2e tests use
@@ -23,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import statistics
 import tempfile
 import threading
@@ -47,6 +48,7 @@ from disagg.operator.metrics import OperatorMetrics
 from disagg.operator.reconcile import PodView, plan_links, pod_view
 from disagg.operator.settings import OperatorSettings
 from disagg.testing.cluster import LocalCluster, create_namespace, wait_until
+from disagg.testing.tiny_model import build_tiny_model
 from disagg.proto import common_pb2, disagg_pd_pb2, disagg_pd_pb2_grpc
 
 
@@ -97,18 +99,7 @@ async def link_cluster(n: int, base: int) -> tuple[float, int, int]:
 
 # ---- real workers ----------------------------------------------------------
 
-ROOT = Path(__file__).resolve().parents[1]
 SETTLE_S = 300.0
-
-
-def tiny_model(dest: Path) -> Path:
-    """The engine tests' tiny random llama (their builder, loaded by path: tests are not a package)."""
-    path = ROOT / "tests" / "engine" / "conftest.py"
-    spec = importlib.util.spec_from_file_location("_engine_conftest_for_bench", path)
-    assert spec is not None and spec.loader is not None, f"cannot load {path}"
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return Path(module.build_tiny_model("llama", dest))
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -162,9 +153,9 @@ class PodClock:
 
 
 async def bring_up(cluster: LocalCluster, api: client.ApiClient, model: Path, prefill: int,
-                   decode: int) -> tuple[list[float], int, list[tuple[int, int]]]:
+                   decode: int) -> tuple[list[float], list[tuple[int, int, int]], int]:
     """Create a DisaggCluster and reconcile until every pod is linked: (linkable-to-linked
-    seconds per pod, passes, (API calls, link RPCs) of each pass that acted)."""
+    seconds per pod, (API calls, link RPCs, worker HTTP calls) of each pass, failed link RPCs)."""
     kube_admin = cluster.kube(admin=True)
     namespace = f"bench-{uuid.uuid4().hex[:6]}"
     create_namespace(kube_admin, namespace)
@@ -176,27 +167,39 @@ async def bring_up(cluster: LocalCluster, api: client.ApiClient, model: Path, pr
                                 "maxNumSeqs": 4}}}
     custom.create_namespaced_custom_object(crd.GROUP, crd.VERSION, namespace, crd.PLURAL, body, _request_timeout=10)
     kube = KubeApi(api)
+    http_calls = 0
+
+    async def count(_: httpx.Request) -> None:
+        nonlocal http_calls
+        http_calls += 1
+
     deps = Deps(settings=OperatorSettings(metrics_port=0), kube=kube, links=LinkClient(timeout_s=3.0),
-                http=httpx.AsyncClient(timeout=2.0), metrics=OperatorMetrics(), post_event=lambda *_: None)
+                http=httpx.AsyncClient(timeout=2.0, event_hooks={"request": [count]}), metrics=OperatorMetrics(),
+                post_event=lambda *_: None)
     controller = ClusterController(namespace, "llm", deps)
     clock = PodClock(core, namespace)
-    busy: list[tuple[int, int]] = []  # (API calls, RPCs) of each pass that did more than read
-    passes, deadline = 0, time.monotonic() + SETTLE_S
+    passes: list[tuple[int, int, int]] = []  # (API calls, link RPCs, worker HTTP calls) per pass
+    seen: list[tuple[str, str]] = []  # (name, resourceVersion) of the pods at the last pass
+    delay, last, deadline = 0.0, 0.0, time.monotonic() + SETTLE_S
     try:
         while len(clock.linked) < prefill + decode:
             assert time.monotonic() < deadline, "the cluster did not link in time"
-            kube.calls += 1  # the pod list below stands for the operator's pod index (a watch)
             pods = await asyncio.to_thread(core.list_namespaced_pod, namespace, label_selector=m.CLUSTER_LABEL,
                                            _request_timeout=10)
+            items = api.sanitize_for_serialization(pods.items)
+            versions = sorted((p["metadata"]["name"], p["metadata"]["resourceVersion"]) for p in items)
+            if versions == seen and time.monotonic() - last < delay:
+                await asyncio.sleep(0.05)  # no pod event, and the daemon would still be waiting
+                continue
+            seen = versions
             obj = await asyncio.to_thread(custom.get_namespaced_custom_object, crd.GROUP, crd.VERSION, namespace,
                                           crd.PLURAL, "llm", _request_timeout=10)
-            views = [pod_view(p) for p in api.sanitize_for_serialization(pods.items)]
-            calls, rpcs = kube.calls, deps.links.calls
-            await controller.reconcile(kopf.Body(cast(kopf.RawBody, obj)), views)
-            passes += 1
-            if kube.calls > calls or deps.links.calls > rpcs:
-                busy.append((kube.calls - calls + 1, deps.links.calls - rpcs))
-            await asyncio.sleep(0.1)
+            views = [pod_view(p) for p in items]
+            calls, rpcs, gets = kube.calls, deps.links.calls, http_calls
+            delay = await controller.reconcile(kopf.Body(cast(kopf.RawBody, obj)), views)
+            last = time.monotonic()
+            # The pod list counts as one call: it stands for the operator's pod index (a watch).
+            passes.append((kube.calls - calls + 1, deps.links.calls - rpcs, http_calls - gets))
     finally:
         seconds = clock.stop()
         await controller.stop()
@@ -204,7 +207,9 @@ async def bring_up(cluster: LocalCluster, api: client.ApiClient, model: Path, pr
         await deps.http.aclose()
         kube_admin.delete(f"/api/v1/namespaces/{namespace}")
         kube_admin.close()
-    return seconds, passes, busy
+    failed = deps.metrics.registry.get_sample_value("disagg_operator_link_operations_total",
+                                                     {"operation": "link", "result": "error"})
+    return seconds, passes, int(failed or 0)
 
 
 async def real_workers(repeats: int, prefill: int, decode: int) -> None:
@@ -217,20 +222,25 @@ async def real_workers(repeats: int, prefill: int, decode: int) -> None:
             return any(c.type == "Established" and c.status == "True" for c in (got.status and got.status.conditions) or [])
 
         wait_until(established, 30, "the CRD")
-        model = tiny_model(Path(tmp) / "tiny-llama")
+        model = build_tiny_model("llama", Path(tmp) / "tiny-llama")
         samples: list[float] = []
-        busy: list[tuple[int, int]] = []
-        passes = 0
+        passes: list[tuple[int, int, int]] = []
+        failed = 0
         for _ in range(repeats):
-            seconds, n, acted = await bring_up(cluster, api, model, prefill, decode)
-            samples, busy, passes = samples + seconds, busy + acted, passes + n
-        calls, rpcs = [c for c, _ in busy], [r for _, r in busy]
-        print(f"real workers, {prefill}x{decode}, {repeats} bring-ups, {len(samples)} pods:")
+            seconds, each, f = await bring_up(cluster, api, model, prefill, decode)
+            samples, passes, failed = samples + seconds, passes + each, failed + f
+        # A pass acted when it wrote to the API or sent a link RPC (beyond the pod list and /health reads).
+        acting = [(c, r) for c, r, _ in passes if c > 1 or r]
+        calls, rpcs = [c for c, _ in acting], [r for _, r in acting]
+        gets = [g for _, _, g in passes]
+        print(f"real workers, {prefill}x{decode}, {repeats} bring-ups, {len(samples)} pods, "
+              f"{repeats * prefill * decode} links:")
         print(f"  linkable (own model and a peer's loaded) -> gate True: median {statistics.median(samples):.3f} s, "
               f"p99 {percentile(samples, 0.99):.3f} s")
-        print(f"  {passes} passes, {len(busy)} of them acted; per acting pass: API calls median "
+        print(f"  {len(passes)} passes, {len(acting)} of them acted; per acting pass: API calls median "
               f"{statistics.median(calls):.0f} max {max(calls)}, link RPCs median {statistics.median(rpcs):.0f} "
-              f"max {max(rpcs)} (total {sum(calls)} calls, {sum(rpcs)} RPCs); an idle pass: 1 call (the pod list)")
+              f"max {max(rpcs)}; in all {sum(calls)} API calls, {sum(rpcs)} link RPCs ({failed} failed), "
+              f"{sum(gets)} GET /health (max {max(gets)} in a pass); an idle pass: 1 call (the pod list)")
 
 
 # ---- the link manager alone, at scale ----------------------------------------
