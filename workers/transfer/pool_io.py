@@ -65,6 +65,10 @@ class PoolIO:
         self.pool = pool
         self.layout = layout
         self.is_cuda = pool.device.type == "cuda"
+        # NOTE: KVLayout's byte sizes are properties that build a tensor per call;
+        # frames need them per segment, so they are computed once here.
+        self._block_bytes = layout.block_bytes
+        self._layer_bytes = layout.layer_bytes
         if self.is_cuda:
             self._flat = pool.view(torch.uint8).reshape(-1)  # [pool_bytes] on the device
             self._staging = torch.empty((2, STAGING_BYTES), dtype=torch.uint8, pin_memory=True)
@@ -77,7 +81,7 @@ class PoolIO:
         """Byte spans of the segments in wire order, neighbours in memory merged."""
         spans: list[Span] = []
         for layer, block, count in segments:
-            offset, size = self.layout.block_offset(layer, block), count * self.layout.block_bytes
+            offset, size = layer * self._layer_bytes + block * self._block_bytes, count * self._block_bytes
             if spans and spans[-1][0] + spans[-1][1] == offset:
                 spans[-1] = (spans[-1][0], spans[-1][1] + size)
             else:

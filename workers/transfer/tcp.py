@@ -97,6 +97,7 @@ class _Connection:
         self.layout = layout
         self.peer = peer
         self.checksum = checksum
+        self.block_bytes = layout.block_bytes  # once: KVLayout computes it with a tensor per call
         self.bytes_sent = 0
         self.bytes_received = 0
         self._on_broken = on_broken
@@ -129,7 +130,7 @@ class _Connection:
 
     def _new_request(self, kind: Kind, layer: int, layer_count: int, runs: list[BlockRun],
                      handle: TransferHandle) -> Frame | None:
-        payload = layer_count * sum(r.count for r in runs) * self.layout.block_bytes if kind == Kind.WRITE else 0
+        payload = layer_count * sum(r.count for r in runs) * self.block_bytes if kind == Kind.WRITE else 0
         with self._lock:
             if self._closed:
                 handle.part_done(f"connection to {self.peer.name} is closed")
@@ -183,7 +184,7 @@ class _Connection:
 
     def _read_one(self) -> None:
         layout = self.layout
-        frame = recv_frame(self.sock, layout.num_blocks, layout.num_layers, layout.block_bytes)
+        frame = recv_frame(self.sock, layout.num_blocks, layout.num_layers, self.block_bytes)
         if frame.kind == Kind.WRITE:
             error = self._check_incoming(frame)
             if error is None:
@@ -195,7 +196,7 @@ class _Connection:
             error = range_error(frame, layout.num_layers, layout.num_blocks, "src")
             if error is None:
                 data = Frame(Kind.DATA, self.checksum, frame.request_id, frame.layer, frame.layer_count,
-                             frame.runs, frame.layer_count * frame.num_blocks * layout.block_bytes)
+                             frame.runs, frame.layer_count * frame.num_blocks * self.block_bytes)
                 self._jobs.put(lambda: self._send_kv(data))
             else:
                 self._send_control(Kind.ERROR, frame.request_id, error)
@@ -280,6 +281,7 @@ class TcpSession(TransferSession):
     def __init__(self, peer: PeerInfo, conns: list[_Connection], layout: KVLayout, is_cuda: bool) -> None:
         self.peer = peer
         self.layout = layout
+        self._block_bytes = layout.block_bytes  # once: KVLayout computes it with a tensor per call
         self._conns = conns
         self._is_cuda = is_cuda
         self._pending = PendingTransfers()
@@ -301,7 +303,7 @@ class TcpSession(TransferSession):
     def _spread(self, runs: list[BlockRun], layers: int,
                 submit: Callable[[_Connection, list[BlockRun], TransferHandle], None]) -> TransferHandle:
         parts = split_runs(runs, len(self._conns))
-        handle = TransferHandle(len(parts), layers * sum(r.count for r in runs) * self.layout.block_bytes)
+        handle = TransferHandle(len(parts), layers * sum(r.count for r in runs) * self._block_bytes)
         # Rotate the first connection so that small (one-part) transfers spread too.
         start = next(self._rotation)
         for i, part in enumerate(parts):
