@@ -4,13 +4,15 @@ The mixed role answers with its local engine (`LocalEngineBackend`); the
 prefill role answers by prefilling here and decoding on a linked decode
 (`disagg.workers.pd.prefill.PrefillRole`).
 Both sit behind `Backend`, so the OpenAI API code does not know the role.
+`EngineBackend` holds what every role's backend shares: the served model,
+readiness from the engine's state and draining, and the engine's load.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 from disagg.workers.metrics import EngineStats
 
@@ -97,32 +99,19 @@ class Backend(Protocol):
         ...
 
 
-class LocalEngineBackend:
-    """The mixed role: every request runs on this process's engine."""
+E = TypeVar("E", bound="AsyncEngine")
 
-    def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, model: ModelInfo) -> None:
+
+class EngineBackend(Generic[E]):
+    """The `Backend` plumbing of a role that serves from one engine: the served
+    model and tokenizer, `ready`, `set_draining`, `stats` and `close`.
+    Roles extend `ready` and `stats` with what they add (links, reservations)."""
+
+    def __init__(self, engine: E, tokenizer: Tokenizer, model: ModelInfo) -> None:
         self._engine = engine
         self._tokenizer = tokenizer
         self._model = model
         self._draining = False
-
-    @classmethod
-    def from_config(cls, config: EngineConfig, served_model_name: str | None) -> LocalEngineBackend:
-        """Load the model (blocking, for seconds to minutes) and start the engine thread."""
-        from disagg.workers.engine.async_engine import AsyncEngine
-        from disagg.workers.engine.llm_engine import LLMEngine
-
-        llm = LLMEngine.from_config(config)
-        assert llm.tokenizer is not None, "LLMEngine.from_config loads the model's tokenizer"
-        model = ModelInfo(
-            name=served_model_name or config.model,
-            source=config.model,
-            max_model_len=llm.max_model_len,
-            vocab_size=llm.model_config.vocab_size,
-        )
-        engine = AsyncEngine(llm)
-        engine.start()
-        return cls(engine, llm.tokenizer, model)
 
     @property
     def model(self) -> ModelInfo:
@@ -146,6 +135,31 @@ class LocalEngineBackend:
         s = self._engine.stats()
         return EngineStats(s.num_blocks_total, s.num_blocks_free, s.num_running, s.num_waiting)
 
+    def close(self) -> None:
+        self._engine.shutdown()
+
+
+class LocalEngineBackend(EngineBackend["AsyncEngine"]):
+    """The mixed role: every request runs on this process's engine."""
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, served_model_name: str | None) -> LocalEngineBackend:
+        """Load the model (blocking, for seconds to minutes) and start the engine thread."""
+        from disagg.workers.engine.async_engine import AsyncEngine
+        from disagg.workers.engine.llm_engine import LLMEngine
+
+        llm = LLMEngine.from_config(config)
+        assert llm.tokenizer is not None, "LLMEngine.from_config loads the model's tokenizer"
+        model = ModelInfo(
+            name=served_model_name or config.model,
+            source=config.model,
+            max_model_len=llm.max_model_len,
+            vocab_size=llm.model_config.vocab_size,
+        )
+        engine = AsyncEngine(llm)
+        engine.start()
+        return cls(engine, llm.tokenizer, model)
+
     def generate(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
@@ -153,6 +167,3 @@ class LocalEngineBackend:
 
     async def abort(self, request_id: str) -> None:
         self._engine.abort(request_id)
-
-    def close(self) -> None:
-        self._engine.shutdown()

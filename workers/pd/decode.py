@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 from disagg.workers.engine.outputs import RequestOutput
 from disagg.workers.engine.sampling_params import SamplingParams
 from disagg.workers.engine.tokenizer import Tokenizer
-from disagg.workers.http.backend import DRAINING, NO_CLIENT_API, ModelInfo
+from disagg.workers.http.backend import NO_CLIENT_API, EngineBackend, ModelInfo
 from disagg.workers.http.errors import APIError
 from disagg.workers.metrics import EngineStats, RequestStatus, WorkerMetrics
 from disagg.workers.pd.clients import PeerClients
@@ -70,14 +71,16 @@ def merge_outputs(outputs: Sequence[RequestOutput]) -> RequestOutput:
     )  # fmt: skip
 
 
-class DecodeRole:
-    """The decode's half of PD; its HTTP backend refuses client completions."""
+class DecodeRole(EngineBackend[PDAsyncEngine]):
+    """The decode's half of PD; its HTTP backend refuses client completions.
+
+    Ready while its engine runs and it is not draining: the data path listens
+    from before the role is built (`build_worker`) until close.
+    """
 
     def __init__(self, engine: PDAsyncEngine, tokenizer: Tokenizer, model: ModelInfo, transport: KVTransport,
                  clients: PeerClients, metrics: WorkerMetrics, config: PDConfig) -> None:  # fmt: skip
-        self._engine = engine
-        self._tokenizer = tokenizer
-        self._model = model
+        super().__init__(engine, tokenizer, model)
         self._transport = transport
         self._clients = clients
         self._metrics = metrics
@@ -86,7 +89,6 @@ class DecodeRole:
         self._incoming: dict[str, _Incoming] = {}
         self._sweeper: asyncio.Task[None] | None = None
         self._block_bytes = engine.engine.kv_cache.spec.block_bytes
-        self._draining = False
 
     # --- lifecycle --------------------------------------------------------
 
@@ -103,7 +105,7 @@ class DecodeRole:
 
     def close(self) -> None:
         """Backend.close: stop the engine and the transfer listener."""
-        self._engine.shutdown()
+        super().close()
         self._transport.close()
 
     # --- links -------------------------------------------------------------
@@ -265,31 +267,11 @@ class DecodeRole:
 
     # --- the HTTP backend: a decode takes no client requests ------------------------
 
-    @property
-    def model(self) -> ModelInfo:
-        return self._model
-
-    @property
-    def tokenizer(self) -> Tokenizer:
-        return self._tokenizer
-
-    def ready(self) -> tuple[bool, str]:
-        """The data path listens from before the role is built (`build_worker`) until close."""
-        if not self._engine.is_running:
-            return False, "the engine has stopped"
-        if self._draining:
-            return False, DRAINING
-        return True, ""
-
-    def set_draining(self, draining: bool) -> None:
-        """While draining, AddNewRequests answers 404 so that prefills go elsewhere."""
-        self._draining = draining
-
     def stats(self) -> EngineStats:
         """The engine's load; a reservation still waiting for its KV counts as waiting."""
-        s = self._engine.stats()
+        s = super().stats()
         reserved = sum(1 for inc in self._incoming.values() if inc.task is None)
-        return EngineStats(s.num_blocks_total, s.num_blocks_free, s.num_running, s.num_waiting + reserved)
+        return dataclasses.replace(s, requests_waiting=s.requests_waiting + reserved)
 
     def generate(self, request_id: str, prompt_token_ids: Sequence[int],
                  params: SamplingParams) -> AsyncIterator[RequestOutput]:  # fmt: skip

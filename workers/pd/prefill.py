@@ -34,7 +34,7 @@ from disagg.workers.engine.request import Request, RequestStatus
 from disagg.workers.engine.sampling_params import SamplingParams
 from disagg.workers.engine.scheduler import SchedulerOutput
 from disagg.workers.engine.tokenizer import Tokenizer
-from disagg.workers.http.backend import DRAINING, ModelInfo
+from disagg.workers.http.backend import EngineBackend, ModelInfo
 from disagg.workers.http.errors import APIError
 from disagg.workers.metrics import EngineStats, WorkerMetrics
 from disagg.workers.pd.clients import PeerClients
@@ -124,15 +124,13 @@ class _Call:
             self.queue.put_nowait(error)
 
 
-class PrefillRole:
+class PrefillRole(EngineBackend[PDAsyncEngine]):
     """The prefill's half of PD; also the HTTP `Backend` of the prefill worker."""
 
     def __init__(self, engine: PDAsyncEngine, tokenizer: Tokenizer, model: ModelInfo, transport: KVTransport,
                  clients: PeerClients, metrics: WorkerMetrics, config: PDConfig, instance_name: str,
                  transfer_address: str, mode: TransferMode) -> None:  # fmt: skip
-        self._engine = engine
-        self._tokenizer = tokenizer
-        self._model = model
+        super().__init__(engine, tokenizer, model)
         self._transport = transport
         self._clients = clients
         self._metrics = metrics
@@ -147,7 +145,6 @@ class PrefillRole:
         self._tasks: set[asyncio.Task[None]] = set()
         self._targets: dict[str, _PushTarget] = {}  # read by the engine thread
         self._block_size = engine.engine.config.block_size
-        self._draining = False
         engine.engine.layer_hook = self._layer_pushes
 
     # --- lifecycle --------------------------------------------------------
@@ -175,7 +172,7 @@ class PrefillRole:
 
     def close(self) -> None:
         """Backend.close: stop the engine and the transfer listener."""
-        self._engine.shutdown()
+        super().close()
         self._transport.close()
 
     # --- the PD service ---------------------------------------------------------
@@ -213,32 +210,17 @@ class PrefillRole:
 
     # --- the HTTP backend ---------------------------------------------------------
 
-    @property
-    def model(self) -> ModelInfo:
-        return self._model
-
-    @property
-    def tokenizer(self) -> Tokenizer:
-        return self._tokenizer
-
     def ready(self) -> tuple[bool, str]:
-        if not self._engine.is_running:
-            return False, "the engine has stopped"
-        if not any(self.peers.is_live(name) for name in self.peers.names()):
+        """Also needs a linked decode; a stopped engine is the first reason given."""
+        if self._engine.is_running and not any(self.peers.is_live(name) for name in self.peers.names()):
             return False, "no decode instance is linked to this prefill"
-        if self._draining:
-            return False, DRAINING
-        return True, ""
-
-    def set_draining(self, draining: bool) -> None:
-        self._draining = draining
+        return super().ready()
 
     def stats(self) -> EngineStats:
         """The engine's blocks; running counts every request this prefill owns,
         also those decoding on a decode (a drain waits for all of them)."""
-        s = self._engine.stats()
-        return EngineStats(s.num_blocks_total, s.num_blocks_free, max(s.num_running, len(self._calls) - s.num_waiting),
-                           s.num_waiting)  # fmt: skip
+        s = super().stats()
+        return dataclasses.replace(s, requests_running=max(s.requests_running, len(self._calls) - s.requests_waiting))
 
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:  # fmt: skip
