@@ -1,5 +1,7 @@
 """Session fixtures shared by the test folders: one real control plane (and
-local kubelets) per session, used by tests/e2e and tests/helm alike.
+local kubelets) per session, used by tests/e2e and tests/helm alike, and
+`tiny_model_dir`, a tiny random Llama folder for the worker tests (tests/engine
+overrides it with one folder per model family).
 
 The fixtures start nothing until a test asks for them, so offline test runs
 pay only for these imports.
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +23,7 @@ from disagg.testing.cluster import LocalCluster, create_namespace
 from disagg.testing.anyip import local_network
 from disagg.testing.kubelet import LocalKubelet
 from disagg.testing.rest import Kube
+from disagg.testing.tiny_model import build_tiny_model
 
 ROUTABLE_NODE = "disagg-routable-node"
 _START_NOTE = pytest.StashKey[str]()
@@ -57,6 +61,11 @@ def namespace(kube: Kube) -> Iterator[str]:
     create_namespace(kube, name)
     yield name
     kube.delete(f"/api/v1/namespaces/{name}")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="session")

@@ -37,6 +37,7 @@ from disagg.testing.cluster import LocalCluster, create_namespace, wait_until
 from disagg.testing.controlplane import write_kubeconfig
 from disagg.testing.pki import Identity
 from disagg.testing.rest import Kube
+from disagg.testing.tiny_model import build_tiny_model
 
 if TYPE_CHECKING:
     from conftest import Helm
@@ -249,14 +250,7 @@ def test_actions_outside_the_chart_rbac_are_refused(installed: Installed, namesp
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import importlib.util
-
-    path = ROOT / "tests" / "engine" / "conftest.py"
-    spec = importlib.util.spec_from_file_location("_engine_conftest_for_helm", path)
-    assert spec is not None and spec.loader is not None, f"cannot load {path}"
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return Path(module.build_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama")))
+    return build_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.mark.slow

@@ -1,8 +1,8 @@
-"""A real `disagg serve --role mixed` process on loopback, serving a tiny
-random model, shared by the HTTP tests of one session.
+"""A real `disagg serve --role mixed` process on loopback, serving the tiny
+random model of the session conftest (`tiny_model_dir`), shared by the HTTP
+tests of one session.
 
 Fixtures:
-- `tiny_model_dir`: a tiny random Llama folder (the engine tests' builder).
 - `served`: a `ServedWorker` (base URL, model name, log) of a running worker.
 - `worker_launcher`: a context manager that runs a worker of one's own.
 - `http`: an httpx client bound to it.
@@ -12,7 +12,6 @@ Fixtures:
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -32,17 +31,6 @@ NUM_KV_BLOCKS = 1024
 MAX_MODEL_LEN = 512
 
 
-def _engine_fixtures_module() -> object:
-    # NOTE: the tiny-model builder lives in the engine tests' conftest; test
-    # folders are not packages, so it is loaded by path.
-    path = Path(__file__).parent.parent / "engine" / "conftest.py"
-    spec = importlib.util.spec_from_file_location("_engine_conftest", path)
-    assert spec is not None and spec.loader is not None, f"cannot load {path}"
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @dataclass(frozen=True)
 class ServedWorker:
     process: WorkerProcess
@@ -58,12 +46,6 @@ class ServedWorker:
 
     def log(self) -> str:
         return self.process.log()
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    build = getattr(_engine_fixtures_module(), "build_tiny_model")
-    return Path(build("llama", tmp_path_factory.mktemp("tiny-llama")))
 
 
 def start_worker(model: str, log_path: Path, *extra: str, served_model_name: str = MODEL_NAME) -> ServedWorker:

@@ -1,9 +1,8 @@
-"""Prefill and decode workers on loopback serving a tiny random model: real
-engines, real gRPC and a real tcp data path; in this process or as real
-`disagg serve` processes.
+"""Prefill and decode workers on loopback serving the tiny random model of the
+session conftest (`tiny_model_dir`): real engines, real gRPC and a real tcp
+data path; in this process or as real `disagg serve` processes.
 
 Fixtures:
-- `tiny_model_dir`: a tiny random Llama folder (the engine tests' builder).
 - `pd_pair`: an async context manager factory `pd_pair(mode="PUSH", **engine)`
   giving a linked `Pair` (prefill and decode workers, a decode stub).
 - `reference_tokens`: greedy tokens of the same model run by a plain LLMEngine.
@@ -14,7 +13,6 @@ Fixtures:
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
@@ -39,22 +37,6 @@ from disagg.workers.pd.worker import PDWorker, build_worker
 torch.set_num_threads(1)
 BLOCK_SIZE = 4
 NUM_KV_BLOCKS = 128
-
-
-def _engine_fixtures_module() -> Any:
-    # NOTE: the tiny-model builder lives in the engine tests' conftest; test
-    # folders are not packages, so it is loaded by path.
-    path = Path(__file__).parent.parent / "engine" / "conftest.py"
-    spec = importlib.util.spec_from_file_location("_engine_conftest", path)
-    assert spec is not None and spec.loader is not None, f"cannot load {path}"
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return Path(_engine_fixtures_module().build_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama")))
 
 
 def engine_config(model: Path, **overrides: Any) -> EngineConfig:
