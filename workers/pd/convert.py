@@ -7,6 +7,7 @@ it to INVALID_ARGUMENT.
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Sequence
 
 from disagg.proto import disagg_pd_pb2 as pb
 from disagg.workers.engine.outputs import RequestOutput, TokenLogprob
@@ -93,13 +94,10 @@ def first_token_from_proto(msg: pb.DisaggGenerationsRequest) -> FirstToken:
     logprob = None
     if token.has_logprob:
         logprob = TokenLogprob(int(token.token_id), token.logprob, tuple(zip(map(int, token.top_tokens), token.top_logprobs)))
-    address = ""
+    address: str | None = ""
     if mode is TransferMode.PULL:
-        if msg.addrs:
-            address = msg.addrs[0]
-        elif msg.cluster_ids:
-            address = address_of_cluster_id(msg.cluster_ids[0])
-        else:
+        address = rank0_transfer_address(msg.addrs, msg.cluster_ids)
+        if address is None:
             raise ValueError(f"request {msg.req_id}: PULL needs the prefill's addrs or cluster_ids")
     return FirstToken(msg.req_id, int(token.token_id), logprob, mode, token.time_to_first_token_latency_seconds,
                       address, tuple(msg.block_ids))  # fmt: skip
@@ -158,3 +156,13 @@ def address_of_cluster_id(value: int) -> str:
     if not 0 < port < 65536:
         raise ValueError(f"cluster_id {value:#x} holds no valid port")
     return f"{ipaddress.IPv4Address(value >> 32)}:{port}"
+
+
+def rank0_transfer_address(addrs: Sequence[str], cluster_ids: Sequence[int]) -> str | None:
+    """Worker rank 0's transfer "ip:port" as given: `addrs[0]`, else decoded
+    from `cluster_ids[0]`; None when both lists are empty."""
+    if addrs:
+        return addrs[0]
+    if cluster_ids:
+        return address_of_cluster_id(cluster_ids[0])
+    return None

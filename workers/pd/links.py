@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from disagg.proto import disagg_pd_pb2 as pb
 from disagg.workers.metrics import WorkerMetrics
-from disagg.workers.pd.convert import address_of_cluster_id, cluster_id
+from disagg.workers.pd.convert import cluster_id, rank0_transfer_address
 from disagg.workers.transfer import TransferSession
 
 log = logging.getLogger(__name__)
@@ -37,11 +37,8 @@ class InstanceInfo:
         """ValueError unless the message names the instance and rank 0's transfer endpoint."""
         if not msg.instance_name:
             raise ValueError("instance_name is empty")
-        if msg.addrs:
-            address = msg.addrs[0]
-        elif msg.cluster_ids:
-            address = address_of_cluster_id(msg.cluster_ids[0])
-        else:
+        address = rank0_transfer_address(msg.addrs, msg.cluster_ids)
+        if address is None:
             raise ValueError(f"instance {msg.instance_name}: neither addrs nor cluster_ids names a transfer endpoint")
         host, sep, port = address.rpartition(":")
         if not sep or not host or not port.isdigit():
