@@ -41,6 +41,20 @@ class EngineStats:
     num_preemptions: int
 
 
+async def outputs_until_finished(
+    outputs: asyncio.Queue[RequestOutput | BaseException],
+) -> AsyncIterator[RequestOutput]:
+    """The outputs put into one request's queue, up to the finished one; an
+    exception put into it is raised instead."""
+    while True:
+        item = await outputs.get()
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+        if item.finished:
+            return
+
+
 @dataclass
 class _Stream:
     """Where one request's outputs go: a queue owned by the consumer's event loop."""
@@ -119,15 +133,12 @@ class AsyncEngine:
         self._submit(_Add(request_id, list(prompt_token_ids), params))
         finished = False
         try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    finished = True  # the engine already dropped it
-                    raise item
+            async for item in outputs_until_finished(stream.queue):
                 finished = item.finished
                 yield item
-                if finished:
-                    return
+        except (EngineError, ValueError):
+            finished = True  # the engine delivered the error: it already dropped the request
+            raise
         finally:
             with self._lock:
                 self._streams.pop(request_id, None)

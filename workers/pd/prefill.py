@@ -29,6 +29,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
+from disagg.workers.engine.async_engine import outputs_until_finished
 from disagg.workers.engine.outputs import RequestOutput, TokenLogprob
 from disagg.workers.engine.request import Request, RequestStatus
 from disagg.workers.engine.sampling_params import SamplingParams
@@ -235,16 +236,9 @@ class PrefillRole(EngineBackend[PDAsyncEngine]):
         task = asyncio.create_task(self._run(call), name=f"prefill-{request_id}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        finished = False
         try:
-            while True:
-                item = await call.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
+            async for item in outputs_until_finished(call.queue):
                 yield item
-                if finished:
-                    return
         finally:
             call.closed = True
             self._calls.pop(request_id, None)
