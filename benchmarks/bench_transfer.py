@@ -8,7 +8,12 @@ every layer (PUSH: layer by layer, then a flush) and compares with
   from PyPI `mooncake-transfer-engine-non-cuda` (its import needs Debian's
   `libibverbs1` even for TCP); when it cannot run, the reason is printed.
 
-    .venv/bin/python benchmarks/bench_transfer.py [--repeats 3] [--quick]
+Besides GB/s it prints the CPU seconds each candidate spent per GB moved, all
+its processes together: on a shared machine the wall-clock figures follow
+the load, this one much less.
+
+    .venv/bin/python benchmarks/bench_transfer.py [--repeats 5] [--quick]
+        [--block-sizes 16,64] [--layers 8,24] [--variants 1:XXH3,2:XXH3,4:XXH3,2:CRC32,2:NONE]
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -93,6 +99,15 @@ class Child:
         self.proc.stdin.flush()
         return self.line()
 
+    def cpu_seconds(self) -> float:
+        """User + system CPU time of the child so far (Linux /proc; 0 elsewhere)."""
+        try:
+            with open(f"/proc/{self.proc.pid}/stat") as stat:
+                fields = stat.read().rpartition(")")[2].split()
+        except OSError:
+            return 0.0
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime in ticks
+
     def stop(self) -> None:
         assert self.proc.stdin is not None, "stdin is piped"
         self.proc.stdin.close()
@@ -106,16 +121,24 @@ class Child:
 # ---- measurements ---------------------------------------------------------------
 
 
-def interleaved(runs: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
-    """Median seconds of each run, measured in rounds so that load on a shared machine hits all alike."""
+def interleaved(runs: dict[str, Callable[[], None]], repeats: int,
+                cpu_clock: Callable[[], float]) -> dict[str, tuple[float, float]]:
+    """(median seconds, mean CPU seconds) of each run, measured in rounds so that load hits all alike.
+
+    Args:
+        cpu_clock: CPU seconds used so far by every process taking part.
+    """
     samples: dict[str, list[float]] = {name: [] for name in runs}
+    cpu: dict[str, float] = dict.fromkeys(runs, 0.0)
     for round_ in range(repeats + 1):  # round 0 warms up (first touch of pages, connections)
         for name, run in runs.items():
-            start = time.perf_counter()
+            cpu_start, start = cpu_clock(), time.perf_counter()
             run()
+            seconds, cpu_seconds = time.perf_counter() - start, cpu_clock() - cpu_start
             if round_:
-                samples[name].append(time.perf_counter() - start)
-    return {name: statistics.median(times) for name, times in samples.items()}
+                samples[name].append(seconds)
+                cpu[name] += cpu_seconds / repeats
+    return {name: (statistics.median(times), cpu[name]) for name, times in samples.items()}
 
 
 def memcpy_run(layout: KVLayout, src: torch.Tensor, runs: list[BlockRun]) -> Callable[[], None]:
@@ -198,13 +221,15 @@ def bench_layout(layout: KVLayout, repeats: int, variants: list[tuple[int, str]]
             assert decode.send(f"link {address} {conns} {checksum} decode-{i}") == "linked"
             session = prefill.session(f"decode-{i}", timeout=WAIT_S)
             candidates[f"ours tcp conns={conns} {checksum}"] = ours_run(session, layout.num_layers, pairs)
-        seconds = interleaved(candidates, repeats)
+        children = [decode, *([mooncake] if isinstance(mooncake, Child) else [])]
+        measured = interleaved(candidates, repeats,
+                               lambda: time.process_time() + sum(child.cpu_seconds() for child in children))
     finally:
         decode.stop()
         if isinstance(mooncake, Child):
             mooncake.stop()
         prefill.close()
-    rate = {name: nbytes / s / 1e9 for name, s in seconds.items()}
+    rate = {name: nbytes / seconds / 1e9 for name, (seconds, _) in measured.items()}
     print(f"\nblock_size={layout.block_size} ({layout.block_bytes >> 10} KiB/block) layers={layout.num_layers} "
           f"moved={nbytes / 2**20:.0f} MiB per request in {len(runs)} runs/layer")
     if isinstance(mooncake, str):
@@ -213,13 +238,33 @@ def bench_layout(layout: KVLayout, repeats: int, variants: list[tuple[int, str]]
         ratios = f"{gbps / rate['memcpy (1 thread)']:5.2f}x memcpy"
         if "mooncake tcp" in rate:
             ratios += f"  {gbps / rate['mooncake tcp']:5.2f}x mooncake"
-        print(f"  {name:26s} {gbps:6.2f} GB/s  {ratios}")
+        cpu_per_gb = measured[name][1] / (nbytes / 1e9)
+        print(f"  {name:26s} {gbps:6.2f} GB/s  {ratios}  {cpu_per_gb:5.2f} CPU s/GB")
+
+
+def _ints(text: str) -> list[int]:
+    return [int(item) for item in text.split(",")]
+
+
+def _variants(text: str) -> list[tuple[int, str]]:
+    """"1:XXH3,2:NONE" -> [(1, "XXH3"), (2, "NONE")], checked against ChecksumKind."""
+    variants = []
+    for item in text.split(","):
+        conns, _, checksum = item.partition(":")
+        if checksum not in ChecksumKind.__members__ or not conns.isdigit():
+            raise argparse.ArgumentTypeError(f"variant {item!r} is not CONNS:{'|'.join(ChecksumKind.__members__)}")
+        variants.append((int(conns), checksum))
+    return variants
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="one layout, fewer variants")
+    parser.add_argument("--block-sizes", type=_ints, default=[16, 64], help="tokens per block, comma separated")
+    parser.add_argument("--layers", type=_ints, default=[8, 24], help="layer counts, comma separated")
+    parser.add_argument("--variants", type=_variants, default=_variants("1:XXH3,2:XXH3,4:XXH3,2:CRC32,2:NONE"),
+                        help="connections:checksum pairs of our transport, comma separated")
     parser.add_argument("--child", choices=["decode", "mooncake"], help=argparse.SUPPRESS)
     parser.add_argument("--layout", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -228,13 +273,15 @@ def main() -> None:
         layout = KVLayout.from_dict(json.loads(args.layout))
         (child_decode if args.child == "decode" else child_mooncake)(layout)
         return
-    layouts = [replace(BASE, block_size=bs, num_layers=layers) for bs in (16, 64) for layers in (8, 24)]
-    variants = [(1, "XXH3"), (2, "XXH3"), (4, "XXH3"), (2, "CRC32"), (2, "NONE")]
+    layouts = [replace(BASE, block_size=bs, num_layers=layers) for bs in args.block_sizes for layers in args.layers]
+    variants = args.variants
     if args.quick:
         layouts, variants = layouts[:1], variants[:2]
-    print(f"torch {torch.__version__}, {BLOCKS_PER_REQUEST} random blocks per request, median of {args.repeats}")
+    print(f"torch {torch.__version__}, {BLOCKS_PER_REQUEST} random blocks per request, median of {args.repeats}, "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     for layout in layouts:
         bench_layout(layout, args.repeats, variants)
+    print(f"\nload average at the end {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":
