@@ -7,7 +7,6 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import TracebackType
 from typing import TypeVar
 
 from kubernetes.client.exceptions import ApiException
@@ -15,12 +14,13 @@ from kubernetes.client.exceptions import ApiException
 from disagg.testing.binaries import Binaries, find_binaries
 from disagg.testing.controlplane import ControlPlane
 from disagg.testing.kubelet import LocalKubelet
+from disagg.testing.lifecycle import StartStop
 from disagg.testing.rest import Kube
 
 T = TypeVar("T")
 
 
-class LocalCluster:
+class LocalCluster(StartStop):
     """`start()` builds the binaries when missing, then starts the control plane and the kubelet.
 
     Everything a run writes goes under `workdir` (a fresh temporary folder
@@ -81,18 +81,6 @@ class LocalCluster:
     def kube(self, admin: bool = True) -> Kube:
         """A new API connection for the admin (system:masters) or the non-admin identity."""
         return Kube(self.admin_kubeconfig if admin else self.user_kubeconfig)
-
-    def __enter__(self) -> LocalCluster:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
 
 def create_namespace(kube: Kube, name: str, timeout_s: float = 60.0) -> None:

@@ -20,11 +20,11 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 
 import yaml
 
 from disagg.testing.binaries import Binaries
+from disagg.testing.lifecycle import StartStop
 from disagg.testing.pki import SERVICE_CIDR, Identity, new_identity, write_pki, write_token_file
 from disagg.testing.processes import ManagedProcess
 
@@ -82,7 +82,7 @@ def write_kubeconfig(path: Path, server: str, ca_file: Path, identity: Identity)
     path.chmod(0o600)
 
 
-class ControlPlane:
+class ControlPlane(StartStop):
     """etcd + kube-apiserver + kube-controller-manager; use as a context manager.
 
     `workdir` (a fresh temporary folder by default, removed on stop) holds
@@ -243,15 +243,3 @@ class ControlPlane:
             self._processes.pop().stop(grace_s=10.0)
         if self._own_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
-
-    def __enter__(self) -> ControlPlane:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
