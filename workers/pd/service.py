@@ -20,16 +20,7 @@ from google.protobuf import json_format
 
 from disagg.proto import common_pb2, disagg_pd_pb2 as pb, disagg_pd_pb2_grpc, xllm_service_pb2_grpc
 from disagg.workers.engine.outputs import RequestOutput
-from disagg.workers.pd import convert
-from disagg.workers.pd.errors import (
-    InvalidMessage,
-    LinkRefused,
-    PDError,
-    PeerTimeout,
-    PeerUnavailable,
-    UnknownRequest,
-    WrongRole,
-)
+from disagg.workers.pd import convert, errors
 from disagg.workers.pd.links import InstanceInfo
 from disagg.workers.pd.messages import Admission, FirstToken, NewRequest, Reservation
 
@@ -38,13 +29,13 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 # Each role error answers with exactly one gRPC status code.
-STATUS_CODES: dict[type[PDError], grpc.StatusCode] = {
-    InvalidMessage: grpc.StatusCode.INVALID_ARGUMENT,
-    UnknownRequest: grpc.StatusCode.NOT_FOUND,
-    WrongRole: grpc.StatusCode.FAILED_PRECONDITION,
-    LinkRefused: grpc.StatusCode.FAILED_PRECONDITION,
-    PeerUnavailable: grpc.StatusCode.UNAVAILABLE,
-    PeerTimeout: grpc.StatusCode.DEADLINE_EXCEEDED,
+STATUS_CODES: dict[type[errors.PDError], grpc.StatusCode] = {
+    errors.InvalidMessage: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.UnknownRequest: grpc.StatusCode.NOT_FOUND,
+    errors.WrongRole: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.LinkRefused: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.PeerUnavailable: grpc.StatusCode.UNAVAILABLE,
+    errors.PeerTimeout: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 # ...and the same errors over HTTP.
 HTTP_STATUS: dict[grpc.StatusCode, int] = {
@@ -74,7 +65,7 @@ class PDRole(Protocol):
     async def generations(self, outputs: list[RequestOutput]) -> list[bool]: ...
 
 
-def status_code(exc: PDError) -> grpc.StatusCode:
+def status_code(exc: errors.PDError) -> grpc.StatusCode:
     for cls in type(exc).__mro__:
         if cls in STATUS_CODES:
             return STATUS_CODES[cls]  # type: ignore[index]
@@ -85,7 +76,7 @@ async def _answer(context: grpc.aio.ServicerContext, call: Callable[[], Awaitabl
     """Run a role call; a role error aborts the RPC with its status code and reason."""
     try:
         return await call()
-    except PDError as exc:
+    except errors.PDError as exc:
         await context.abort(status_code(exc), str(exc))
         raise AssertionError("context.abort raises") from exc
 
@@ -161,7 +152,7 @@ async def _parse_info(msg: pb.InstanceClusterInfo) -> InstanceInfo:
     try:
         return InstanceInfo.from_proto(msg)
     except ValueError as exc:
-        raise InvalidMessage(f"bad InstanceClusterInfo: {exc}") from exc
+        raise errors.InvalidMessage(f"bad InstanceClusterInfo: {exc}") from exc
 
 
 def build_grpc_server(role: PDRole, address: str, max_message_bytes: int, serves_generations: bool) -> grpc.aio.Server:
@@ -196,7 +187,7 @@ def add_link_routes(app: FastAPI, role: Callable[[], PDRole | None]) -> None:
             return _http_error(grpc.StatusCode.INVALID_ARGUMENT, f"bad InstanceClusterInfo: {exc}")
         try:
             await (current.link(info) if link else current.unlink(info))
-        except PDError as exc:
+        except errors.PDError as exc:
             return _http_error(status_code(exc), str(exc))
         return JSONResponse({"ok": True})
 
