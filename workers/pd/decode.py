@@ -14,8 +14,8 @@ A reservation whose FirstGeneration never comes is freed after a bound.
 from __future__ import annotations
 
 import asyncio
-import logging
 import dataclasses
+import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
