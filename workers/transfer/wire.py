@@ -18,6 +18,10 @@ checksum trailer (only for frames that carry KV bytes):
 | ACK   | receiver    | completes the request                              | none             |
 | ERROR | either      | fails the request                                  | utf-8 reason     |
 
+Payloads move with scatter-gather calls (`send_views`, `recv_into_views`):
+one `sendmsg` / `recvmsg_into` per batch of block runs, straight from and into
+the pools' memory.
+
 The checksum is there to catch a wrong offset or a torn write, not an
 attacker: xxh3-64 when both sides have `xxhash` (about twice as fast as zlib's
 crc32 here), else crc32.
@@ -164,12 +168,14 @@ def recv_exact(sock: socket.socket, size: int) -> bytes:
 
 def _advance(views: list[memoryview], done: int) -> list[memoryview]:
     """What is left of `views` once their first `done` bytes have moved."""
-    while views and done >= len(views[0]):
-        done -= len(views[0])
-        views = views[1:]
+    index = 0
+    while index < len(views) and done >= len(views[index]):
+        done -= len(views[index])
+        index += 1
+    left = views[index:]
     if done:
-        views = [views[0][done:], *views[1:]]
-    return views
+        left[0] = left[0][done:]
+    return left
 
 
 def _timed_out(exc: BlockingIOError, what: str) -> TimeoutError:
