@@ -123,7 +123,7 @@ def test_worker_entrypoint_is_the_disagg_cli_and_its_default_command_parses() ->
     assert entry == ["python", "-m", "disagg.workers"]
     assert importlib.util.find_spec(entry[2]) is not None
     cmd = only("Dockerfile.worker", "CMD").exec_form()
-    args = build_parser().parse_args(cmd)
+    args = build_parser(cmd[0]).parse_args(cmd)
     assert args.command == "serve" and args.role == "mixed"
 
 
