@@ -237,8 +237,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=64, help="new tokens per request (default %(default)s)")
     p.add_argument("--repeats", type=int, default=3, help="timed rounds per batch size (default %(default)s)")
     p.add_argument("--warmup-tokens", type=int, default=8, help="new tokens of the untimed warm-up runs")
-    p.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1),
-                   help="torch intra-op threads for both (default %(default)s)")
+    # NOTE: 1 by default: on a shared machine, two threads that must meet at
+    # every op's barrier lose whole time slices to other processes (batch-1
+    # runs were 10x slower under load), while one thread degrades gracefully.
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads for both (default %(default)s; use the core count on an idle machine)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--prefix-caching", action="store_true",
                    help="let our engine reuse cached prompt blocks (off by default: transformers has no such cache)")
@@ -259,6 +262,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     print("command:", shlex.join(sys.orig_argv))
     print(f"load average before (1/5/15 min): {load_average()}")
+    busy = os.getloadavg()[0]
+    if busy > (os.cpu_count() or 1) - args.threads + 0.5:
+        print(f"warning: load average {busy:.1f} on {os.cpu_count()} CPUs: other processes compete for the cores "
+              f"this run uses; its figures are depressed and noisy")
     print(f"{cpu_name()}, {os.cpu_count()} CPUs; torch {torch.__version__}, transformers {transformers.__version__}; "
           f"torch threads {torch.get_num_threads()} (inter-op {torch.get_num_interop_threads()}); {args.dtype}")
     dtype = getattr(torch, args.dtype)
