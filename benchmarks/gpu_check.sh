@@ -51,7 +51,7 @@ check() {
 
   # NOTE: --continue-on-collection-errors, so that a test folder whose imports this
   # machine lacks (the operator's, say) does not keep the GPU tests from running.
-  step "pytest -m gpu" 180 "$PY" -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors
+  step "pytest -m gpu" 150 "$PY" -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors
   step "engine" 240 "$PY" benchmarks/gpu_check_engine.py
   step "transfer" 90 "$PY" benchmarks/gpu_check_transfer.py
 
