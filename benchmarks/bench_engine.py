@@ -193,6 +193,7 @@ def measure(engine: LLMEngine, hf_model: Any, prompts: Sequence[list[int]], batc
             ours.append(time_ours(engine, chosen, max_tokens))
             theirs.append(time_transformers(hf_model, chosen, max_tokens, pad_id))
     assert engine.num_free_blocks == engine.num_total_blocks, "every request freed its blocks"
+    assert engine.scheduler.num_preemptions == 0, "a preemption would time recompute: give the KV pool more blocks"
     return Row(batch, ours, theirs)
 
 
@@ -271,16 +272,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     dtype = getattr(torch, args.dtype)
     cpu = torch.device("cpu")
     model_dir = resolve_model_dir(args.model, default_cache_dir())
-    config = EngineConfig(model=args.model, device="cpu", dtype=args.dtype, max_num_seqs=max(args.batch_sizes),
-                          kv_cache_memory_bytes=256 << 20, max_model_len=2048,
-                          enable_prefix_caching=args.prefix_caching)
-    engine = LLMEngine(config, load_model(args.model, dtype, cpu), Tokenizer.from_dir(model_dir))
-    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-    tokenizer = engine.tokenizer
-    assert tokenizer is not None, "the engine was given a tokenizer"
-    pad_id = tokenizer.hf.pad_token_id if tokenizer.hf.pad_token_id is not None else tokenizer.eos_token_ids[0]
+    tokenizer = Tokenizer.from_dir(model_dir)
     prompts = chat_prompts(tokenizer, max(args.batch_sizes))
     lengths = [len(p) for p in prompts]
+    # A pool that holds the largest batch whole: a preemption would time our
+    # scheduler's recompute, not the engine.
+    block_size = 16
+    blocks_per_request = -(-(max(lengths) + args.max_tokens) // block_size)
+    config = EngineConfig(model=args.model, device="cpu", dtype=args.dtype, block_size=block_size,
+                          num_kv_blocks=max(args.batch_sizes) * blocks_per_request,
+                          max_num_seqs=max(args.batch_sizes), max_model_len=max(lengths) + args.max_tokens + 1,
+                          enable_prefix_caching=args.prefix_caching)
+    engine = LLMEngine(config, load_model(args.model, dtype, cpu), tokenizer)
+    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    pad_id = tokenizer.hf.pad_token_id if tokenizer.hf.pad_token_id is not None else tokenizer.eos_token_ids[0]
     print(f"model {args.model} ({model_dir}); prompts of {min(lengths)}-{max(lengths)} tokens; "
           f"{args.max_tokens} new tokens each, greedy; {args.repeats} rounds, median")
 
