@@ -51,7 +51,18 @@ check() {
 
   # NOTE: --continue-on-collection-errors, so that a test folder whose imports this
   # machine lacks (the operator's, say) does not keep the GPU tests from running.
-  step "pytest -m gpu" 150 "$PY" -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors
+  # The root tests/conftest.py (the control plane's fixtures) needs the kubernetes
+  # client; where it cannot load, each folder holding GPU tests runs alone, with
+  # its own conftest only (--confcutdir).
+  if "$PY" -c "import runpy; runpy.run_path('tests/conftest.py')" 2>/dev/null; then
+    step "pytest -m gpu" 150 "$PY" -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors
+  else
+    echo "tests/conftest.py does not import here: the folders with GPU tests run one by one without it"
+    local dir
+    for dir in $(grep -rl --include='test_*.py' 'mark.gpu' tests | xargs -n1 dirname | sort -u); do
+      step "pytest -m gpu $dir" 75 "$PY" -m pytest -m gpu -q -p no:cacheprovider --confcutdir="$dir" "$dir"
+    done
+  fi
   step "engine" 240 "$PY" benchmarks/gpu_check_engine.py
   step "transfer" 90 "$PY" benchmarks/gpu_check_transfer.py
 
