@@ -81,36 +81,26 @@ GO
   done
 }
 
-build_etcd() {
-  have etcd && return
-  local dir=$WORK/etcd-$ETCD_VERSION
+# One binary from a module without replace directives: a wrapper module that
+# requires MODULE@VERSION and builds PACKAGE into $BIN/NAME.
+# Args: NAME MODULE VERSION PACKAGE [extra ldflags]
+build_module_binary() {
+  local name=$1 module=$2 version=$3 package=$4 ldflags="-s -w ${5:-}"
+  have "$name" && return
+  local dir=$WORK/$name-$version
   mkdir -p "$dir"
   if [ ! -f "$dir/go.sum" ]; then
-    printf 'module disagg.dev/etcd-binary\n\ngo 1.26\n\nrequire go.etcd.io/etcd/server/v3 %s\n' "$ETCD_VERSION" >"$dir/go.mod"
-    printf '//go:build tools\n\npackage tools\n\nimport _ "go.etcd.io/etcd/server/v3"\n' >"$dir/tools.go"
+    printf 'module disagg.dev/%s-binary\n\ngo 1.26\n\nrequire %s %s\n' "$name" "$module" "$version" >"$dir/go.mod"
+    printf '//go:build tools\n\npackage tools\n\nimport _ "%s"\n' "$package" >"$dir/tools.go"
     (cd "$dir" && go mod tidy)
   fi
-  log "building etcd $ETCD_VERSION"
-  (cd "$dir" && go build -ldflags "-s -w" -o "$BIN/etcd.tmp.$$" go.etcd.io/etcd/server/v3)
-  mv "$BIN/etcd.tmp.$$" "$BIN/etcd"
+  log "building $name $version"
+  (cd "$dir" && go build -ldflags "$ldflags" -o "$BIN/$name.tmp.$$" "$package")
+  mv "$BIN/$name.tmp.$$" "$BIN/$name"
 }
 
-build_helm() {
-  have helm && return
-  local dir=$WORK/helm-$HELM_VERSION
-  mkdir -p "$dir"
-  if [ ! -f "$dir/go.sum" ]; then
-    printf 'module disagg.dev/helm-binary\n\ngo 1.26\n\nrequire helm.sh/helm/v3 %s\n' "$HELM_VERSION" >"$dir/go.mod"
-    printf '//go:build tools\n\npackage tools\n\nimport _ "helm.sh/helm/v3/cmd/helm"\n' >"$dir/tools.go"
-    (cd "$dir" && go mod tidy)
-  fi
-  log "building helm $HELM_VERSION"
-  (cd "$dir" && go build -ldflags "-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION" \
-    -o "$BIN/helm.tmp.$$" helm.sh/helm/v3/cmd/helm)
-  mv "$BIN/helm.tmp.$$" "$BIN/helm"
-}
-
-build_etcd
+build_module_binary etcd go.etcd.io/etcd/server/v3 "$ETCD_VERSION" go.etcd.io/etcd/server/v3
 build_kube
-build_helm
+build_module_binary helm helm.sh/helm/v3 "$HELM_VERSION" helm.sh/helm/v3/cmd/helm \
+  "-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"
 echo "$BIN"
