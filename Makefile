@@ -23,8 +23,8 @@ setup: $(VENV)/.installed
 demo: setup
 	$(BIN)/disagg demo
 
-## The whole test suite (builds the Kubernetes binaries into a cache the first time).
-test: setup k8s-binaries
+## The type check, then the whole test suite (builds the Kubernetes binaries into a cache the first time).
+test: lint k8s-binaries
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 ## Everything but the slow and end-to-end tests.
@@ -45,7 +45,7 @@ proto: setup
 	$(BIN)/python proto/generate.py
 
 lint: setup
-	$(BIN)/python -m mypy workers operator testing
+	$(BIN)/python -m mypy workers operator testing proto/generate.py benchmarks
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info
