@@ -1,7 +1,9 @@
 """A small local kubelet: real processes for the pods of a real API server.
 
-It registers one Ready node, binds every unscheduled pod to it (there is no
-scheduler), and runs each pod's first container command as a local process
+It registers one Ready node, labelled `kubernetes.io/hostname: <node name>`,
+binds unscheduled pods to it as a scheduler would by `spec.nodeSelector` (a pod
+whose selector matches the node's labels; a pod with no selector only when this
+kubelet is the default one, `bind_unselected`), and runs each pod's first container command as a local process
 on an address of its own, reported as `status.podIP` (and given to the
 process as `POD_IP`, since it binds the address itself): by default from a
 random /16 of 127.0.0.0/8, which every Linux loopback accepts as it is. It runs
@@ -44,6 +46,7 @@ log = logging.getLogger(__name__)
 
 HOST_IP = "127.0.0.1"
 DEFAULT_NODE = "disagg-local-node"
+HOSTNAME_LABEL = "kubernetes.io/hostname"
 
 
 def _key(pod: Obj) -> str:
@@ -52,6 +55,13 @@ def _key(pod: Obj) -> str:
 
 def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def selects(node_selector: dict[str, str], node_labels: dict[str, str]) -> bool:
+    """Whether a pod's (non-empty) `spec.nodeSelector` matches a node's labels:
+    every selected key present with the same value, as the scheduler requires."""
+    assert node_selector, "an empty selector selects every node; the caller decides who takes such pods"
+    return all(node_labels.get(k) == v for k, v in node_selector.items())
 
 
 def default_address_pool() -> ipaddress.IPv4Network:
@@ -104,11 +114,13 @@ class LocalKubelet:
         default_cwd: Path | None = None,
         resync_s: float = 0.5,
         backoff_s: tuple[float, float] = (1.0, 20.0),
-        bind_unscheduled: bool = True,
+        bind_unselected: bool = True,
     ) -> None:
         self.node_name = node_name
-        # With two kubelets on one API server only one may play the scheduler.
-        self.bind_unscheduled = bind_unscheduled
+        self.node_labels = {HOSTNAME_LABEL: node_name}
+        # With two kubelets on one API server only one may take the pods that
+        # select no node; pods that select a node go to the kubelet that matches.
+        self.bind_unselected = bind_unselected
         self.workdir = workdir
         self.default_cwd = str(default_cwd or Path.cwd())
         self.resync_s = resync_s
@@ -187,7 +199,7 @@ class LocalKubelet:
         }
 
     def _register_node(self) -> None:
-        body = {"metadata": {"name": self.node_name, "labels": {"kubernetes.io/hostname": self.node_name}}}
+        body = {"metadata": {"name": self.node_name, "labels": self.node_labels}}
         try:
             self.kube.post("/api/v1/nodes", body)
         except ApiException as e:
@@ -195,7 +207,8 @@ class LocalKubelet:
                 raise
         # The API drops a new node's status, and TaintNodesByCondition gave it a
         # not-ready taint that only the (absent) node-lifecycle controller lifts.
-        self.kube.patch(self._node_path, {"spec": {"taints": None}})
+        # The labels are patched too, for a node left over from an earlier run.
+        self.kube.patch(self._node_path, {"metadata": {"labels": self.node_labels}, "spec": {"taints": None}})
         self.kube.patch(self._node_path + "/status", {"status": self._node_status()})
         self._last_heartbeat = time.monotonic()
 
@@ -243,7 +256,7 @@ class LocalKubelet:
     def _sync_pod(self, pod: Obj) -> None:
         meta = pod["metadata"]
         if not pod["spec"].get("nodeName"):
-            if "deletionTimestamp" not in meta and self.bind_unscheduled:
+            if "deletionTimestamp" not in meta and self._takes(pod):
                 self._bind(pod)
             return
         with self._lock:
@@ -257,6 +270,13 @@ class LocalKubelet:
             rt = self._admit(pod)
         self._advance(rt, pod)
         self._report(rt, pod)
+
+    def _takes(self, pod: Obj) -> bool:
+        """Whether this kubelet, standing in for the scheduler, binds an unscheduled pod.
+        A pod whose selector matches several kubelets' nodes goes to whichever
+        binds first; the others' bindings are refused (409)."""
+        node_selector = pod["spec"].get("nodeSelector") or {}
+        return selects(node_selector, self.node_labels) if node_selector else self.bind_unselected
 
     def _bind(self, pod: Obj) -> None:
         meta = pod["metadata"]

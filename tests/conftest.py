@@ -73,7 +73,9 @@ def routable_kubelet(cluster: LocalCluster) -> Iterator[LocalKubelet]:
     """A second kubelet whose pods get addresses outside 127.0.0.0/8.
 
     EndpointSlices refuse loopback addresses, so tests of a Service's
-    endpoints put their pods on this node (`spec.nodeName`). It needs
+    endpoints put their pods on this node: `spec.nodeName`, or a nodeSelector
+    `kubernetes.io/hostname: disagg-routable-node` (it binds only the pods that
+    select it; the default kubelet takes those that select no node). It needs
     CAP_NET_ADMIN to route a range to the loopback device; without it the
     tests that use it are skipped, with that reason.
     """
@@ -81,7 +83,7 @@ def routable_kubelet(cluster: LocalCluster) -> Iterator[LocalKubelet]:
         if network is None:
             pytest.skip("needs CAP_NET_ADMIN to route a non-loopback range to lo (EndpointSlices refuse 127/8)")
         kubelet = LocalKubelet(cluster.admin_kubeconfig, cluster.workdir / "routable-kubelet",
-                               node_name=ROUTABLE_NODE, address_pool=network, bind_unscheduled=False)
+                               node_name=ROUTABLE_NODE, address_pool=network, bind_unselected=False)
         kubelet.start()
         yield kubelet
         kubelet.stop()

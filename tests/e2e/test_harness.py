@@ -17,7 +17,7 @@ import pytest
 from kubernetes.client.exceptions import ApiException
 
 from disagg.testing.cluster import LocalCluster, wait_until
-from disagg.testing.kubelet import LocalKubelet
+from disagg.testing.kubelet import HOSTNAME_LABEL, LocalKubelet, selects
 from disagg.testing.podenv import PodConfigError, command_line, container_env, expand
 from disagg.testing.probes import Probe, ProbeTracker
 from disagg.testing.processes import process_running
@@ -73,6 +73,14 @@ def test_probe_tracker_applies_thresholds() -> None:
     assert not tracker.record(False, 2.0) and tracker.ready  # 1 of 2 failures
     assert tracker.record(False, 3.0) and not tracker.ready
     assert not tracker.due(3.5) and tracker.due(4.0)
+
+
+def test_node_selector_matches_like_the_scheduler() -> None:
+    labels = {HOSTNAME_LABEL: "n1", "zone": "a"}
+    assert selects({HOSTNAME_LABEL: "n1"}, labels)
+    assert selects({HOSTNAME_LABEL: "n1", "zone": "a"}, labels)
+    assert not selects({HOSTNAME_LABEL: "n2"}, labels)
+    assert not selects({HOSTNAME_LABEL: "n1", "gpu": "h100"}, labels)  # every key must match
 
 
 # ---- against the control plane ----------------------------------------------
@@ -203,6 +211,30 @@ def test_endpoint_slice_lists_only_ready_pods(
         return ready if len(endpoints) == 2 else None
 
     assert wait_until(ready_endpoints, WAIT_S, "an EndpointSlice with both pods") == {"ready": [ready_ip]}
+
+
+@pytest.mark.e2e
+def test_unscheduled_pods_bind_by_node_selector(
+    cluster: LocalCluster, kube: Kube, namespace: str, routable_kubelet: LocalKubelet
+) -> None:
+    """The kubelets stand in for the scheduler: a pod selecting the routable
+    node lands there, one selecting no node on the default node, and one
+    selecting a node that does not exist stays unbound."""
+    assert cluster.kubelet is not None
+    selected = command_pod("selected", ["sleep", "600"], grace_s=1)
+    selected["spec"]["nodeSelector"] = {HOSTNAME_LABEL: routable_kubelet.node_name}
+    nowhere = command_pod("nowhere", ["sleep", "600"], grace_s=1)
+    nowhere["spec"]["nodeSelector"] = {HOSTNAME_LABEL: "no-such-node"}
+    for pod in (selected, command_pod("plain", ["sleep", "600"], grace_s=1), nowhere):
+        kube.post(pod_path(namespace), pod)
+    on_routable = wait_condition(kube, namespace, "selected", "Ready")
+    assert on_routable["spec"]["nodeName"] == routable_kubelet.node_name
+    assert ipaddress.ip_address(on_routable["status"]["podIP"]) not in ipaddress.ip_network("127.0.0.0/8")
+    on_default = wait_condition(kube, namespace, "plain", "Ready")
+    assert on_default["spec"]["nodeName"] == cluster.kubelet.node_name
+    assert ipaddress.ip_address(on_default["status"]["podIP"]) in ipaddress.ip_network("127.0.0.0/8")
+    # Both kubelets have passed over it several times by now (each resyncs every 0.5 s).
+    assert not kube.get(pod_path(namespace, "nowhere"))["spec"].get("nodeName")
 
 
 @pytest.mark.e2e
