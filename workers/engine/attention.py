@@ -9,6 +9,9 @@ where slot s (block b = s // block_size, offset o = s % block_size) keeps
     V in row  b * 2 * block_size + block_size + o
 Every index tensor below is built once per forward (AttentionMetadata) and
 shared by all layers, so a layer's work is tensor ops only.
+
+Decode steps on CUDA (with Triton) skip the padded gather: the kernel of
+triton_attention reads K/V through the block tables directly.
 """
 
 from __future__ import annotations
@@ -18,17 +21,27 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from disagg.workers.engine import triton_attention
 from disagg.workers.engine.forward_batch import ForwardBatch
 
 
 @dataclass
-class DecodeGroup:
-    """Sequences that add one token each, attended in one padded batch."""
+class PaddedContext:
+    """The plain path's gather: every decode sequence's context as padded cache rows."""
 
-    token_rows: torch.Tensor | None  # [Bd] their rows in the step's tokens; None = all rows, in order
     k_rows: torch.Tensor  # [Bd * max_ctx] cache rows of each sequence's keys, padded, flattened
     v_rows: torch.Tensor  # [Bd * max_ctx]
     mask: torch.Tensor  # [Bd, 1, 1, max_ctx] bool, True where a key exists
+
+
+@dataclass
+class DecodeGroup:
+    """Sequences that add one token each, attended as one batch."""
+
+    token_rows: torch.Tensor | None  # [Bd] their rows in the step's tokens; None = all rows, in order
+    block_tables: torch.Tensor  # [Bd, max_blocks] int32, the decode sequences' tables
+    context_lens: torch.Tensor  # [Bd] int32, tokens in each one's cache (>= 1)
+    padded: PaddedContext | None  # None: the Triton kernel reads the cache by block table
 
 
 @dataclass
@@ -50,9 +63,15 @@ class AttentionMetadata:
     prefills: list[PrefillSegment]
 
 
-def build_metadata(batch: ForwardBatch, block_size: int) -> AttentionMetadata:
-    """Translates slots and block tables into cache rows, once per forward."""
+def build_metadata(batch: ForwardBatch, block_size: int, use_kernel: bool | None = None) -> AttentionMetadata:
+    """Translates slots and block tables into cache rows, once per forward.
+
+    use_kernel picks the decode path: the Triton kernel (True) or the padded
+    gather (False); None picks the kernel on CUDA when Triton imports.
+    """
     device = batch.input_ids.device
+    if use_kernel is None:
+        use_kernel = device.type == "cuda" and triton_attention.is_available()
     row_stride = 2 * block_size  # rows per block: K rows then V rows
     slots = batch.slot_mapping.to(device=device, dtype=torch.int64)
     write_k = (slots // block_size) * row_stride + slots % block_size
@@ -73,14 +92,21 @@ def build_metadata(batch: ForwardBatch, block_size: int) -> AttentionMetadata:
     decode_seqs = [i for i, q_len in enumerate(batch.query_lens) if q_len == 1]
     decode = None
     if decode_seqs:
-        max_ctx = max(context_lens[i] for i in decode_seqs)
+        lens = [context_lens[i] for i in decode_seqs]
+        assert min(lens) >= 1, "a decode sequence has at least its new token in the cache"
         seq_index = torch.tensor(decode_seqs, device=device)
-        k_rows = context_rows(block_tables.index_select(0, seq_index), max_ctx).flatten()
-        decode_lens = torch.tensor([context_lens[i] for i in decode_seqs], device=device)
-        mask = torch.arange(max_ctx, device=device)[None, :] < decode_lens[:, None]
+        decode_tables = block_tables.index_select(0, seq_index)  # [Bd, max_blocks]
+        decode_lens = torch.tensor(lens, device=device)
+        padded = None
+        if not use_kernel:
+            max_ctx = max(lens)
+            k_rows = context_rows(decode_tables, max_ctx).flatten()
+            mask = torch.arange(max_ctx, device=device)[None, :] < decode_lens[:, None]
+            padded = PaddedContext(k_rows, k_rows + block_size, mask[:, None, None, :])
         token_rows = None if len(decode_seqs) == batch.num_seqs else \
             torch.tensor([starts[i] for i in decode_seqs], device=device)
-        decode = DecodeGroup(token_rows, k_rows, k_rows + block_size, mask[:, None, None, :])
+        decode = DecodeGroup(token_rows, decode_tables.to(torch.int32).contiguous(),
+                             decode_lens.to(torch.int32), padded)
 
     prefills = []
     for i, q_len in enumerate(batch.query_lens):
@@ -117,12 +143,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cac
     # (rows[idx]) is about 1000x slower for these small row sets.
     rows = layer_cache.view(-1, *layer_cache.shape[-2:])
     if meta.decode is not None and meta.decode.token_rows is None:
-        return _decode(q, rows, meta.decode, scale)
+        return _decode_any(q, layer_cache, meta.decode, scale)
     out = torch.empty_like(q)
     if meta.decode is not None:
         assert meta.decode.token_rows is not None
         token_rows = meta.decode.token_rows
-        out.index_copy_(0, token_rows, _decode(q.index_select(0, token_rows), rows, meta.decode, scale))
+        out.index_copy_(0, token_rows, _decode_any(q.index_select(0, token_rows), layer_cache, meta.decode, scale))
     for seg in meta.prefills:
         if seg.k_rows is None:
             keys, values = k[seg.start:seg.end], v[seg.start:seg.end]
@@ -138,12 +164,20 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cac
     return out
 
 
-def _decode(q: torch.Tensor, rows: torch.Tensor, group: DecodeGroup, scale: float) -> torch.Tensor:
+def _decode_any(q: torch.Tensor, layer_cache: torch.Tensor, group: DecodeGroup, scale: float) -> torch.Tensor:
+    # q: [Bd, heads, hd] -> [Bd, heads, hd], by the path build_metadata chose
+    if group.padded is None:
+        return triton_attention.paged_decode_attention(q, layer_cache, group.block_tables,
+                                                       group.context_lens, scale)
+    return _decode(q, layer_cache.view(-1, *layer_cache.shape[-2:]), group.padded, scale)
+
+
+def _decode(q: torch.Tensor, rows: torch.Tensor, padded: PaddedContext, scale: float) -> torch.Tensor:
     # q: [Bd, heads, hd]; keys/values gathered: [Bd, max_ctx, kvh, hd]
-    batch_size, max_ctx = group.mask.shape[0], group.mask.shape[-1]
-    keys = rows.index_select(0, group.k_rows).view(batch_size, max_ctx, *rows.shape[1:])
-    values = rows.index_select(0, group.v_rows).view(batch_size, max_ctx, *rows.shape[1:])
+    batch_size, max_ctx = padded.mask.shape[0], padded.mask.shape[-1]
+    keys = rows.index_select(0, padded.k_rows).view(batch_size, max_ctx, *rows.shape[1:])
+    values = rows.index_select(0, padded.v_rows).view(batch_size, max_ctx, *rows.shape[1:])
     o = F.scaled_dot_product_attention(
         q[:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2),
-        attn_mask=group.mask, scale=scale, enable_gqa=True)
+        attn_mask=padded.mask, scale=scale, enable_gqa=True)
     return o[:, :, 0, :]  # [Bd, heads, hd]
