@@ -154,6 +154,23 @@ def test_metadata_picks_plain_path_on_cpu(paged_cache: type) -> None:
     assert meta.decode.block_tables.dtype == torch.int32 and meta.decode.context_lens.tolist() == [5]
 
 
+def test_kernel_rejects_mismatched_inputs() -> None:
+    """Checked before any launch, so this runs in the parent too."""
+    from disagg.workers.engine.triton_attention import paged_decode_attention
+
+    cache = torch.zeros(4, 2, 4, KV_HEADS, 32)
+    tables = torch.zeros(2, 3, dtype=torch.int32)
+    lens = torch.ones(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="int32"):
+        paged_decode_attention(torch.zeros(2, 6, 32), cache, tables.long(), lens, SCALE)
+    with pytest.raises(ValueError, match="does not match"):
+        paged_decode_attention(torch.zeros(2, 5, 32), cache, tables, lens, SCALE)
+    with pytest.raises(ValueError, match="does not match"):
+        paged_decode_attention(torch.zeros(2, 6, 64), cache, tables, lens, SCALE)
+    with pytest.raises(ValueError, match="3 queries"):
+        paged_decode_attention(torch.zeros(3, 6, 32), cache, tables, lens, SCALE)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2), (torch.float16, 4e-3)])
