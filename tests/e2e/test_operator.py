@@ -35,6 +35,8 @@ from disagg.operator.reconcile import pod_view
 from disagg.operator.settings import OperatorSettings
 from disagg.testing.cluster import LocalCluster, wait_until
 from disagg.testing.controlplane import free_port
+from disagg.testing.kubelet import HOSTNAME_LABEL, LocalKubelet
+from disagg.testing.rest import Obj
 from disagg.testing.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.e2e
@@ -303,8 +305,8 @@ def _settled(custom: client.CustomObjectsApi, core: client.CoreV1Api, namespace:
             and len(pods(core, namespace, "decode")) == decode)
 
 
-def _chat(pod_ip: str, timeout_s: float = 60) -> tuple[str, list[int]]:
-    r = httpx.post(f"http://{pod_ip}:{m.HTTP_PORT}/v1/chat/completions", timeout=timeout_s, json={
+def _chat(ip: str, port: int = m.HTTP_PORT, timeout_s: float = 60) -> tuple[str, list[int]]:
+    r = httpx.post(f"http://{ip}:{port}/v1/chat/completions", timeout=timeout_s, json={
         "model": MODEL_NAME, "messages": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
         "return_token_ids": True})
     r.raise_for_status()
@@ -320,6 +322,19 @@ def _ready_prefills(core: client.CoreV1Api, namespace: str) -> list[str]:
     """What a Service would route to: Ready prefill pods (Ready needs the linked gate)."""
     return [p["status"]["podIP"] for p in pods(core, namespace, "prefill")
             if _conditions(p).get("Ready") == "True" and not p["metadata"].get("deletionTimestamp")]
+
+
+def _slice_endpoints(api: client.ApiClient, namespace: str, service: str) -> tuple[list[Obj], list[int]]:
+    """Every endpoint of a Service's EndpointSlices, and their ports (what kube-proxy would route to)."""
+    slices = client.DiscoveryV1Api(api).list_namespaced_endpoint_slice(
+        namespace, label_selector=f"kubernetes.io/service-name={service}", _request_timeout=10).items
+    raw = api.sanitize_for_serialization(slices)
+    return ([e for s in raw for e in s.get("endpoints") or []],
+            sorted({p["port"] for s in raw for p in s.get("ports") or []}))
+
+
+def _ready_addresses(endpoints: list[Obj]) -> list[str]:
+    return sorted(a for e in endpoints if (e.get("conditions") or {}).get("ready") for a in e["addresses"])
 
 
 def _scale(custom: client.CustomObjectsApi, namespace: str, role: str, replicas: int) -> None:
@@ -549,3 +564,57 @@ def test_layout_mismatch_never_links(operator: OperatorProcess, custom: client.C
     assert _links_of(core, namespace, "prefill") == [1.0]
     assert sorted(_links_of(core, namespace, "decode")) == [0.0, 1.0]
     assert "LayoutMismatch" in _reasons(core, namespace)
+
+
+def test_prefill_service_endpoints_list_only_the_linked_prefill(
+        operator: OperatorProcess, api: client.ApiClient, custom: client.CustomObjectsApi, core: client.CoreV1Api,
+        namespace: str, tiny_model: Path, reference: tuple[str, list[int]], routable_kubelet: LocalKubelet) -> None:
+    """On the routable node (EndpointSlices refuse 127/8): the Service lists the
+    prefill only once it is linked, and a chat through that endpoint answers."""
+    # No decode at first: the prefill runs but has nothing to link to, a state that holds still.
+    body = cluster_body("llm", str(tiny_model), decode=0)
+    for role in ("prefill", "decode"):
+        body["spec"][role]["nodeSelector"] = {HOSTNAME_LABEL: routable_kubelet.node_name}
+    create(custom, namespace, body)
+    service = m.service_name("llm")
+
+    def listed_unlinked() -> list[Obj] | None:
+        endpoints, _ = _slice_endpoints(api, namespace, service)
+        prefills = pods(core, namespace, "prefill")
+        unlinked = len(prefills) == 1 and _conditions(prefills[0]).get(m.LINKED_GATE) != "True"
+        return endpoints if unlinked and endpoints else None
+
+    endpoints = wait_until(listed_unlinked, WAIT_S, "the unlinked prefill in the Service's EndpointSlice")
+    (prefill,) = pods(core, namespace, "prefill")
+    assert prefill["spec"]["nodeName"] == routable_kubelet.node_name
+    assert [a for e in endpoints for a in e["addresses"]] == [prefill["status"]["podIP"]]
+    assert _ready_addresses(endpoints) == [], f"an unlinked prefill is routed to: {endpoints}"
+
+    _scale(custom, namespace, "decode", 1)
+    early: list[list[Obj]] = []
+
+    def linked() -> bool:
+        # The slice first, then the gate: a ready endpoint seen while the gate
+        # is still not True afterwards was routed to before its link.
+        endpoints, _ = _slice_endpoints(api, namespace, service)
+        gate = _conditions(pods(core, namespace, "prefill")[0]).get(m.LINKED_GATE)
+        if _ready_addresses(endpoints) and gate != "True":
+            early.append(endpoints)
+        return _linked(custom, namespace, "llm", 1, 1)
+
+    wait_until(linked, WAIT_S, "one prefill and one decode, linked")
+    assert not early, f"ready in the Service before linked: {early}"
+    (prefill,) = pods(core, namespace, "prefill")
+    (decode,) = pods(core, namespace, "decode")
+    assert decode["spec"]["nodeName"] == routable_kubelet.node_name
+
+    def routed() -> tuple[list[Obj], list[int]] | None:
+        endpoints, ports = _slice_endpoints(api, namespace, service)
+        return (endpoints, ports) if _ready_addresses(endpoints) else None
+
+    endpoints, ports = wait_until(routed, WAIT_S, "the linked prefill to be ready in the Service's EndpointSlice")
+    assert _ready_addresses(endpoints) == [prefill["status"]["podIP"]]
+    assert [e["targetRef"]["name"] for e in endpoints] == [prefill["metadata"]["name"]]  # no decode in it
+    assert ports == [m.HTTP_PORT]
+    (address,) = _ready_addresses(endpoints)
+    assert _chat(address, ports[0]) == reference
