@@ -80,8 +80,11 @@ class ModelRunner:
             positions = start
         else:
             seq_of_token = torch.repeat_interleave(torch.arange(len(requests)), q)  # [T]
-            positions = torch.arange(len(ids)) - (cu_q - q)[seq_of_token] + start[seq_of_token]
-        blocks = block_tables[seq_of_token, positions // self.block_size].to(torch.int64)
+            positions = torch.arange(len(ids)) - (cu_q - q - start).index_select(0, seq_of_token)
+        # NOTE: index_select on the flattened table, not table[rows, cols]: on a
+        # busy CPU, advanced indexing of small tensors costs milliseconds.
+        flat_index = seq_of_token * width + positions // self.block_size
+        blocks = block_tables.flatten().index_select(0, flat_index).to(torch.int64)
         slot_mapping = blocks * self.block_size + positions % self.block_size
         logits_indices = (cu_q - 1)[torch.tensor(sample_mask, dtype=torch.bool)]
 
