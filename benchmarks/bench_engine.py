@@ -246,6 +246,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--prefix-caching", action="store_true",
                    help="let our engine reuse cached prompt blocks (off by default: transformers has no such cache)")
+    p.add_argument("--no-pack-weights", dest="pack_weights", action="store_false",
+                   help="run our projections from plain strided weights, not oneDNN-packed ones")
     args = p.parse_args(argv)
     if min(args.batch_sizes) < 1 or args.max_tokens < 2 or args.repeats < 1 or args.threads < 1:
         p.error("batch sizes and --threads must be positive, --max-tokens at least 2, --repeats at least 1")
@@ -268,7 +270,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"warning: load average {busy:.1f} on {os.cpu_count()} CPUs: other processes compete for the cores "
               f"this run uses; its figures are depressed and noisy")
     print(f"{cpu_name()}, {os.cpu_count()} CPUs; torch {torch.__version__}, transformers {transformers.__version__}; "
-          f"torch threads {torch.get_num_threads()} (inter-op {torch.get_num_interop_threads()}); {args.dtype}")
+          f"torch threads {torch.get_num_threads()} (inter-op {torch.get_num_interop_threads()}); {args.dtype}; "
+          f"our weights {'oneDNN-packed' if args.pack_weights else 'strided'}")
     dtype = getattr(torch, args.dtype)
     cpu = torch.device("cpu")
     model_dir = resolve_model_dir(args.model, default_cache_dir())
@@ -282,7 +285,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = EngineConfig(model=args.model, device="cpu", dtype=args.dtype, block_size=block_size,
                           num_kv_blocks=max(args.batch_sizes) * blocks_per_request,
                           max_num_seqs=max(args.batch_sizes), max_model_len=max(lengths) + args.max_tokens + 1,
-                          enable_prefix_caching=args.prefix_caching)
+                          enable_prefix_caching=args.prefix_caching, pack_cpu_weights=args.pack_weights)
     engine = LLMEngine(config, load_model(args.model, dtype, cpu), tokenizer)
     hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     pad_id = tokenizer.hf.pad_token_id if tokenizer.hf.pad_token_id is not None else tokenizer.eos_token_ids[0]

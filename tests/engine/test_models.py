@@ -11,26 +11,33 @@ import torch
 
 from disagg.workers.engine.forward_batch import ForwardBatch
 from disagg.workers.engine.loader import LoadedModel, load_model
+from disagg.workers.engine.models.packing import packing_available
 
 torch.set_num_threads(2)
 ATOL = 1e-4
 FAMILIES = ("llama", "qwen2", "qwen3")
 CPU = torch.device("cpu")
+# Our projections from plain weights, and from oneDNN-packed ones (what LLMEngine runs on a CPU).
+WEIGHTS = ("strided", pytest.param("packed", marks=pytest.mark.skipif(
+    not packing_available(CPU, torch.float32), reason="this torch has no oneDNN linear")))
 
 
 @pytest.fixture(scope="module")
-def models(tiny_model: Callable[..., Path]) -> Callable[[str], tuple[LoadedModel, torch.nn.Module]]:
-    """family -> (our model, the transformers model) from the same folder, loaded once."""
+def models(tiny_model: Callable[..., Path]) -> Callable[..., tuple[LoadedModel, torch.nn.Module]]:
+    """(family, weights) -> (our model, the transformers model) from the same folder, loaded once."""
     from transformers import AutoModelForCausalLM
 
-    loaded: dict[str, tuple[LoadedModel, torch.nn.Module]] = {}
+    loaded: dict[tuple[str, str], tuple[LoadedModel, torch.nn.Module]] = {}
 
-    def get(family: str) -> tuple[LoadedModel, torch.nn.Module]:
-        if family not in loaded:
+    def get(family: str, weights: str = "strided") -> tuple[LoadedModel, torch.nn.Module]:
+        if (family, weights) not in loaded:
             path = tiny_model(family)
             reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-            loaded[family] = (load_model(str(path), torch.float32, CPU), reference)
-        return loaded[family]
+            ours = load_model(str(path), torch.float32, CPU)
+            if weights == "packed":
+                ours.model.pack_weights()
+            loaded[family, weights] = (ours, reference)
+        return loaded[family, weights]
 
     return get
 
@@ -78,13 +85,14 @@ def assert_matches_reference(reference: torch.nn.Module, prompt_ids: list[int], 
     assert expected[len(prompt_ids) - 1:].argmax(-1).tolist() == tokens
 
 
+@pytest.mark.parametrize("weights", WEIGHTS)
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("block_size,prompt_len", [
     (1, 5), (2, 1), (2, 3), (2, 4), (16, 15), (16, 16), (16, 17), (16, 33),
 ])
 def test_prefill_then_decode_matches_transformers(models: Callable, paged_cache: type, family: str,
-                                                  block_size: int, prompt_len: int) -> None:
-    ours, reference = models(family)
+                                                  block_size: int, prompt_len: int, weights: str) -> None:
+    ours, reference = models(family, weights)
     cache = new_cache(paged_cache, ours, block_size, seed=prompt_len)
     ids = prompt(prompt_len, seed=prompt_len)
     tokens, logits = generate(ours, cache, 0, [ids], steps=6)
@@ -103,9 +111,11 @@ def test_chunked_prefill_matches_transformers(models: Callable, paged_cache: typ
     assert_matches_reference(reference, ids, tokens, logits)
 
 
+@pytest.mark.parametrize("weights", WEIGHTS)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_batch_of_mixed_lengths_equals_each_alone(models: Callable, paged_cache: type, family: str) -> None:
-    ours, reference = models(family)
+def test_batch_of_mixed_lengths_equals_each_alone(models: Callable, paged_cache: type, family: str,
+                                                  weights: str) -> None:
+    ours, reference = models(family, weights)
     prompts = {0: prompt(5, seed=10), 1: prompt(11, seed=11), 2: prompt(17, seed=12)}
     alone = {seq: generate(ours, new_cache(paged_cache, ours, 4), seq, [p], steps=5) for seq, p in prompts.items()}
 

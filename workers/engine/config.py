@@ -36,6 +36,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # token budget of one step
     max_model_len: int | None = None  # None: the model's own context length
     enable_prefix_caching: bool = True
+    # On a CPU, run the projections from oneDNN-packed weights (models/packing.py).
+    pack_cpu_weights: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -20,6 +20,7 @@ from disagg.workers.engine.block_manager import BlockManager
 from disagg.workers.engine.config import EngineConfig
 from disagg.workers.engine.kv_cache import KVCache, KVCacheSpec, resolve_num_blocks
 from disagg.workers.engine.model_runner import ModelRunner, SampledToken
+from disagg.workers.engine.models.packing import packing_available
 from disagg.workers.engine.outputs import RequestOutput
 from disagg.workers.engine.request import Request, RequestStatus
 from disagg.workers.engine.sampling_params import SamplingParams
@@ -57,6 +58,8 @@ class LLMEngine:
         self.max_model_len = max_len
 
         # --- scheduling and execution ---------------------------------------
+        if config.pack_cpu_weights and packing_available(device, config.torch_dtype):
+            loaded.model.pack_weights()
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.model_runner = ModelRunner(loaded.model, self.kv_cache, loaded.config.vocab_size, device, config.seed)

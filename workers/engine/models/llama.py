@@ -12,6 +12,7 @@ from disagg.workers.engine.attention import AttentionMetadata, build_metadata, p
 from disagg.workers.engine.forward_batch import ForwardBatch
 from disagg.workers.engine.model_config import ModelConfig
 from disagg.workers.engine.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rope, input_major
+from disagg.workers.engine.models.packing import PackedLinear, pack_linear_weights
 
 
 class WeightLoadError(ValueError):
@@ -99,8 +100,9 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, self.attention_cls)
-        # With tied embeddings the output projection is the embedding matrix itself.
-        self.lm_head = None if config.tie_word_embeddings else \
+        # With tied embeddings the output projection is the embedding matrix itself
+        # (until pack_weights gives it a packed copy).
+        self.lm_head: nn.Module | None = None if config.tie_word_embeddings else \
             Linear(config.hidden_size, config.vocab_size, bias=False)
 
     @classmethod
@@ -120,8 +122,19 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] (rows already picked, e.g. by logits_indices) -> fp32 logits [N, vocab]."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is None:
+            return F.linear(hidden, self.model.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
+
+    def pack_weights(self) -> None:
+        """Move every projection to oneDNN's packed layout (CPU only; see packing.py).
+
+        A tied output projection gets its own packed copy: the embedding lookup
+        needs the plain rows. Nothing can be loaded into the model afterwards.
+        """
+        pack_linear_weights(self)
+        if self.lm_head is None:
+            self.lm_head = PackedLinear(self.model.embed_tokens.weight, None)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies Hugging Face named tensors into the model; raises WeightLoadError on
@@ -129,7 +142,7 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         filled = dict.fromkeys(params, 0)  # elements written per parameter
         for name, tensor in weights:
-            if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.lm_head is None):
+            if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.config.tie_word_embeddings):
                 continue  # recomputed here / the tied embedding already holds it
             target_name, rows = self._target(name)
             if target_name not in params:
