@@ -175,9 +175,12 @@ def _decode_any(q: torch.Tensor, layer_cache: torch.Tensor, group: DecodeGroup, 
 def _decode(q: torch.Tensor, rows: torch.Tensor, padded: PaddedContext, scale: float) -> torch.Tensor:
     # q: [Bd, heads, hd]; keys/values gathered: [Bd, max_ctx, kvh, hd]
     batch_size, max_ctx = padded.mask.shape[0], padded.mask.shape[-1]
-    keys = rows.index_select(0, padded.k_rows).view(batch_size, max_ctx, *rows.shape[1:])
-    values = rows.index_select(0, padded.v_rows).view(batch_size, max_ctx, *rows.shape[1:])
+    # NOTE: on a CPU, SDPA of one query row runs 5x faster in fp32 than in
+    # bf16 (measured with the embedded default's shapes), conversions included.
+    compute = torch.float32 if rows.device.type == "cpu" else rows.dtype
+    keys = rows.index_select(0, padded.k_rows).view(batch_size, max_ctx, *rows.shape[1:]).to(compute)
+    values = rows.index_select(0, padded.v_rows).view(batch_size, max_ctx, *rows.shape[1:]).to(compute)
     o = F.scaled_dot_product_attention(
-        q[:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2),
+        q[:, :, None, :].to(compute), keys.transpose(1, 2), values.transpose(1, 2),
         attn_mask=padded.mask, scale=scale, enable_gqa=True)
-    return o[:, :, 0, :]  # [Bd, heads, hd]
+    return o[:, :, 0, :].to(q.dtype)  # [Bd, heads, hd]
