@@ -6,7 +6,10 @@ every layer (PUSH: layer by layer, then a flush) and compares with
 - single-thread memcpy of the same runs in one process (goal: >= 1/2 of it),
 - Mooncake Transfer Engine's TCP transport on the same blocks (goal: >= 2x),
   from PyPI `mooncake-transfer-engine-non-cuda` (its import needs Debian's
-  `libibverbs1` even for TCP); when it cannot run, the reason is printed.
+  `libibverbs1` even for TCP); when it cannot run, the reason is printed,
+- plain sockets between the same two processes moving the same byte count from
+  one contiguous buffer (sendall / recv_into, no framing, no checksum): the
+  ceiling of any transport over the kernel's TCP on this machine.
 
 Besides GB/s it prints the CPU seconds each candidate spent per GB moved, all
 its processes together: on a shared machine the wall-clock figures follow
@@ -23,9 +26,11 @@ import ctypes
 import json
 import os
 import random
+import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -39,6 +44,7 @@ from disagg.workers.transfer.wire import ChecksumKind
 BASE = KVLayout("bench", "float16", num_layers=8, num_blocks=64, block_size=16, num_kv_heads=8, head_dim=128)
 BLOCKS_PER_REQUEST = 48
 WAIT_S = 120.0
+RAW_CONNECTIONS = 2  # as many as our default variant
 
 
 # ---- child processes (the receiving side) ------------------------------------
@@ -60,6 +66,32 @@ def child_decode(layout: KVLayout) -> None:
         print("linked", flush=True)
     for transport in transports:
         transport.close()
+
+
+def child_sink(layout: KVLayout) -> None:
+    """The plain-socket receiver: "connect ADDRESS CONNS BYTES" opens CONNS sockets; then, per round,
+    each one reads BYTES into its own buffer and answers one byte. Exits on stdin EOF."""
+    print("ready", flush=True)
+    command, address, conns, nbytes = sys.stdin.readline().split()
+    assert command == "connect", f"unexpected command {command!r}"
+    host, port = address.rsplit(":", 1)
+    socks = [socket.create_connection((host, int(port)), timeout=WAIT_S) for _ in range(int(conns))]
+
+    def serve(sock: socket.socket) -> None:
+        buffer = memoryview(bytearray(int(nbytes)))
+        while True:
+            got = 0
+            while got < len(buffer):
+                n = sock.recv_into(buffer[got:], len(buffer) - got, socket.MSG_WAITALL)
+                if n == 0:
+                    return
+                got += n
+            sock.sendall(b"k")
+
+    for sock in socks:
+        threading.Thread(target=serve, args=(sock,), daemon=True).start()
+    print("connected", flush=True)
+    sys.stdin.read()
 
 
 def child_mooncake(layout: KVLayout) -> None:
@@ -163,6 +195,33 @@ def ours_run(session: TransferSession, layers: int, pairs: tuple[list[int], list
     return run
 
 
+def raw_tcp_run(src: torch.Tensor, nbytes: int, child: Child) -> Callable[[], None]:
+    """Plain sockets: each of RAW_CONNECTIONS sends its share of `nbytes` from `src` and waits for one byte back."""
+    share = nbytes // RAW_CONNECTIONS
+    listener = socket.create_server(("127.0.0.1", 0))
+    address = "127.0.0.1:%d" % listener.getsockname()[1]
+    assert child.send(f"connect {address} {RAW_CONNECTIONS} {share}") == "connected"
+    listener.settimeout(WAIT_S)
+    socks = [listener.accept()[0] for _ in range(RAW_CONNECTIONS)]
+    listener.close()
+    view = memoryview(src.numpy()).cast("B")  # contiguous CPU tensor: its bytes, no copy
+    assert len(view) >= share * RAW_CONNECTIONS, "the pool holds the bytes of one request"
+
+    def send_share(sock: socket.socket, index: int) -> None:
+        sock.sendall(view[index * share:(index + 1) * share])
+        if sock.recv(1) != b"k":
+            raise RuntimeError("plain-socket receiver went away")
+
+    def run() -> None:
+        threads = [threading.Thread(target=send_share, args=(sock, i)) for i, sock in enumerate(socks)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(WAIT_S)
+
+    return run
+
+
 def mooncake_run(layout: KVLayout, src: torch.Tensor, runs: list[BlockRun], child: Child) -> Callable[[], None]:
     """A Mooncake TCP batch write of the same runs into the child's registered pool."""
     from mooncake.engine import TransferEngine
@@ -212,20 +271,23 @@ def bench_layout(layout: KVLayout, repeats: int, variants: list[tuple[int, str]]
                                checksums=[ChecksumKind.XXH3, ChecksumKind.CRC32, ChecksumKind.NONE])
     address = prefill.start("127.0.0.1", 0)
     decode = Child("decode", layout)
+    sink = Child("sink", layout)
     mooncake = start_mooncake(layout)
     try:
-        candidates = {"memcpy (1 thread)": memcpy_run(layout, src, runs)}
+        candidates = {"memcpy (1 thread)": memcpy_run(layout, src, runs),
+                      f"plain sockets, {RAW_CONNECTIONS} conns": raw_tcp_run(src, nbytes, sink)}
         if isinstance(mooncake, Child):
             candidates["mooncake tcp"] = mooncake_run(layout, src, runs, mooncake)
         for i, (conns, checksum) in enumerate(variants):
             assert decode.send(f"link {address} {conns} {checksum} decode-{i}") == "linked"
             session = prefill.session(f"decode-{i}", timeout=WAIT_S)
             candidates[f"ours tcp conns={conns} {checksum}"] = ours_run(session, layout.num_layers, pairs)
-        children = [decode, *([mooncake] if isinstance(mooncake, Child) else [])]
+        children = [decode, sink, *([mooncake] if isinstance(mooncake, Child) else [])]
         measured = interleaved(candidates, repeats,
                                lambda: time.process_time() + sum(child.cpu_seconds() for child in children))
     finally:
         decode.stop()
+        sink.stop()
         if isinstance(mooncake, Child):
             mooncake.stop()
         prefill.close()
@@ -240,6 +302,9 @@ def bench_layout(layout: KVLayout, repeats: int, variants: list[tuple[int, str]]
             ratios += f"  {gbps / rate['mooncake tcp']:5.2f}x mooncake"
         cpu_per_gb = measured[name][1] / (nbytes / 1e9)
         print(f"  {name:26s} {gbps:6.2f} GB/s  {ratios}  {cpu_per_gb:5.2f} CPU s/GB")
+
+
+CHILDREN: dict[str, Callable[[KVLayout], None]] = {"decode": child_decode, "sink": child_sink, "mooncake": child_mooncake}
 
 
 def _ints(text: str) -> list[int]:
@@ -265,13 +330,13 @@ def main() -> None:
     parser.add_argument("--layers", type=_ints, default=[8, 24], help="layer counts, comma separated")
     parser.add_argument("--variants", type=_variants, default=_variants("1:XXH3,2:XXH3,4:XXH3,2:CRC32,2:NONE"),
                         help="connections:checksum pairs of our transport, comma separated")
-    parser.add_argument("--child", choices=["decode", "mooncake"], help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
     parser.add_argument("--layout", help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.child:
         layout = KVLayout.from_dict(json.loads(args.layout))
-        (child_decode if args.child == "decode" else child_mooncake)(layout)
+        CHILDREN[args.child](layout)
         return
     layouts = [replace(BASE, block_size=bs, num_layers=layers) for bs in args.block_sizes for layers in args.layers]
     variants = args.variants
