@@ -39,6 +39,7 @@ import torch
 
 from disagg.workers.transfer import KVLayout, KVTransport, TransferSession, create_transport
 from disagg.workers.transfer.base import BlockRun, merge_runs
+from disagg.workers.transfer.pool_io import host_view
 from disagg.workers.transfer.wire import ChecksumKind
 
 BASE = KVLayout("bench", "float16", num_layers=8, num_blocks=64, block_size=16, num_kv_heads=8, head_dim=128)
@@ -204,7 +205,7 @@ def raw_tcp_run(src: torch.Tensor, nbytes: int, child: Child) -> Callable[[], No
     listener.settimeout(WAIT_S)
     socks = [listener.accept()[0] for _ in range(RAW_CONNECTIONS)]
     listener.close()
-    view = memoryview(src.numpy()).cast("B")  # contiguous CPU tensor: its bytes, no copy
+    view = host_view(src)  # keeps no reference: `src` lives as long as the benchmark of this layout
     assert len(view) >= share * RAW_CONNECTIONS, "the pool holds the bytes of one request"
 
     def send_share(sock: socket.socket, index: int) -> None:
