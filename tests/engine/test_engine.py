@@ -290,8 +290,16 @@ async def test_consumer_cancellation_aborts_the_request(async_engine: AsyncEngin
     await stream.aclose()
     await wait_for_free_blocks(async_engine)
 
-    task = asyncio.create_task(collect(async_engine, "cancelled", prompts(1, [5])[0], params))
-    await asyncio.sleep(0.2)
+    # Cancelled once it has streamed, not after a fixed time: a fast engine
+    # could finish all its tokens first.
+    streaming = asyncio.Event()
+
+    async def consume() -> None:
+        async for _ in async_engine.generate("cancelled", prompts(1, [5])[0], params):
+            streaming.set()
+
+    task = asyncio.create_task(consume())
+    await asyncio.wait_for(streaming.wait(), 30)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
