@@ -20,20 +20,21 @@ PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @functools.cache
-def _onednn_works() -> bool:
-    """True when this torch build has oneDNN's linear ops and they run here."""
+def _onednn_works(dtype: torch.dtype) -> bool:
+    """True when this torch build has oneDNN's linear ops and they run here in `dtype`
+    (bf16 needs CPU support that older oneDNN versions refuse without)."""
     try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(torch.ones(2, 2), None)
-        out = torch.ops.mkldnn._linear_pointwise(torch.ones(1, 2), packed, None, "none", [], "")
+        packed = torch.ops.mkldnn._reorder_linear_weight(torch.ones(2, 2, dtype=dtype), None)
+        out = torch.ops.mkldnn._linear_pointwise(torch.ones(1, 2, dtype=dtype), packed, None, "none", [], "")
     except (AttributeError, RuntimeError, NotImplementedError):
         return False
-    return bool(torch.equal(out, torch.full((1, 2), 2.0)))
+    return bool(torch.equal(out.float(), torch.full((1, 2), 2.0)))
 
 
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether pack_linear_weights can serve a model in `dtype` on `device`."""
     return device.type == "cpu" and dtype in PACKABLE_DTYPES and torch.backends.mkldnn.is_available() \
-        and _onednn_works()
+        and _onednn_works(dtype)
 
 
 class PackedLinear(nn.Module):
