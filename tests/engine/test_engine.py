@@ -337,6 +337,21 @@ async def test_engine_errors_reach_the_consumers(async_engine: AsyncEngine) -> N
     assert len(await collect(async_engine, "next", [5, 6, 7], GREEDY)) == GREEDY.max_tokens
 
 
+async def test_call_runs_on_the_engine_thread_and_returns_or_raises(async_engine: AsyncEngine) -> None:
+    import threading
+
+    # Between steps of a running request: the call sees the engine's own state.
+    params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+    stream = async_engine.generate("busy", prompts(1, [5])[0], params)
+    await anext(stream)
+    thread, running = await async_engine.call(lambda e: (threading.current_thread().name, e.num_running))
+    assert thread == "engine-loop" and running == 1
+    with pytest.raises(ValueError, match="already in use"):
+        await async_engine.call(lambda e: e.add_request("busy", [5], GREEDY))
+    await stream.aclose()
+    await wait_for_free_blocks(async_engine)
+
+
 async def test_shutdown_fails_open_streams(make_engine: MakeEngine) -> None:
     engine = AsyncEngine(make_engine())
     engine.start()

@@ -9,11 +9,13 @@ serving while a long prompt runs).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 from disagg.workers.engine.llm_engine import LLMEngine
 from disagg.workers.engine.outputs import RequestOutput
@@ -21,9 +23,13 @@ from disagg.workers.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+E = TypeVar("E", bound=LLMEngine)
+
 # How long the idle loop sleeps between looks at its command queue when
 # nobody wakes it (a safety net: every command also wakes it).
 _IDLE_WAIT_S = 0.5
+_CALL_TIMEOUT_S = 120.0  # an engine step on a CPU can be long, never this long
 
 
 class EngineError(RuntimeError):
@@ -75,10 +81,19 @@ class _Abort:
     request_id: str
 
 
-class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+@dataclass(frozen=True)
+class _Call:
+    fn: Callable[[Any], object]
+    future: concurrent.futures.Future[object]
+
+
+_Command = _Add | _Abort | _Call
+
+
+class AsyncEngine(Generic[E]):
+    def __init__(self, engine: E) -> None:
         self.engine = engine
-        self._commands: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()  # guards _streams
         self._wakeup = threading.Event()
@@ -149,6 +164,18 @@ class AsyncEngine:
         """Cancel a request from any thread; its stream ends with an "abort" output."""
         self._submit(_Abort(request_id))
 
+    async def call(self, fn: Callable[[E], T]) -> T:
+        """Run `fn(engine)` on the engine thread between two steps; its result or its exception."""
+        if not self.is_running:
+            raise EngineError("the engine is not running")
+        future: concurrent.futures.Future[object] = concurrent.futures.Future()
+        self._submit(_Call(fn, future))
+        try:
+            result = await asyncio.wait_for(asyncio.wrap_future(future), _CALL_TIMEOUT_S)
+        except TimeoutError as exc:
+            raise EngineError(f"the engine did not run a call within {_CALL_TIMEOUT_S:.0f} s") from exc
+        return result  # type: ignore[return-value]
+
     def stats(self) -> EngineStats:
         engine = self.engine
         return EngineStats(
@@ -159,7 +186,7 @@ class AsyncEngine:
             num_preemptions=engine.scheduler.num_preemptions,
         )
 
-    def _submit(self, command: _Add | _Abort) -> None:
+    def _submit(self, command: _Command) -> None:
         self._commands.put(command)
         self._wakeup.set()
 
@@ -193,6 +220,12 @@ class AsyncEngine:
                 return
             if isinstance(command, _Abort):
                 self.engine.abort_request(command.request_id)
+                continue
+            if isinstance(command, _Call):
+                try:
+                    command.future.set_result(command.fn(self.engine))
+                except Exception as exc:  # handed to the caller's event loop
+                    command.future.set_exception(exc)
                 continue
             try:
                 self.engine.add_request(command.request_id, command.prompt_token_ids, command.params)

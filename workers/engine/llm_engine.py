@@ -4,7 +4,7 @@ One request's life:
 1. `add_request` validates it and queues it (WAITING).
 2. `step` schedules it, runs its prompt (in chunks if long) through the
    model, and samples a token once the prompt is done (RUNNING).
-3. Each later step decodes one token; `_postprocess` appends it, updates the
+3. Each later step decodes one token; `postprocess` appends it, updates the
    text and checks the stop conditions.
 4. A stop condition, `max_tokens`, the context length or `abort_request`
    finishes it and frees its blocks; its last output says why.
@@ -13,7 +13,7 @@ One request's life:
 from __future__ import annotations
 
 import logging
-from collections.abc import Set
+from collections.abc import Callable, Set
 from typing import TYPE_CHECKING
 
 from disagg.workers.engine.block_manager import BlockManager
@@ -24,13 +24,17 @@ from disagg.workers.engine.models.packing import packing_available
 from disagg.workers.engine.outputs import RequestOutput
 from disagg.workers.engine.request import Request, RequestStatus
 from disagg.workers.engine.sampling_params import SamplingParams
-from disagg.workers.engine.scheduler import Scheduler
+from disagg.workers.engine.scheduler import Scheduler, SchedulerOutput
 
 if TYPE_CHECKING:
     from disagg.workers.engine.loader import LoadedModel
     from disagg.workers.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+# Called with each step's schedule before its forward; may return a callback
+# that the forward runs with each layer's index once that layer's KV is written.
+LayerHook = Callable[[SchedulerOutput], Callable[[int], None] | None]
 
 
 class LLMEngine:
@@ -65,7 +69,8 @@ class LLMEngine:
         self.model_runner = ModelRunner(loaded.model, self.kv_cache, loaded.config.vocab_size, device, config.seed)
         eos = set(loaded.config.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else ())
         self.stop_checker = StopChecker(frozenset(eos), self.max_model_len)
-        self._aborted: list[Request] = []  # reported by the next step
+        self.layer_hook: LayerHook | None = None
+        self._finished_between_steps: list[Request] = []  # reported by the next step
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -116,20 +121,26 @@ class LLMEngine:
         request = self.scheduler.abort(request_id)
         if request is None:
             return False
-        self._aborted.append(request)
+        self.report_finished(request)
         return True
+
+    def report_finished(self, request: Request) -> None:
+        """Report a request that finished outside a step with the next step's outputs."""
+        self._finished_between_steps.append(request)
 
     # --- the loop -----------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         scheduled = self.scheduler.schedule()
-        sampled = self.model_runner.execute(scheduled)
+        on_layer_written = self.layer_hook(scheduled) if self.layer_hook and not scheduled.is_empty else None
+        sampled = self.model_runner.execute(scheduled, on_layer_written)
         self.scheduler.update(scheduled)
-        return self._postprocess(sampled)
+        return self.postprocess(sampled)
 
-    def _postprocess(self, sampled: list[SampledToken]) -> list[RequestOutput]:
-        outputs = [self._output(r) for r in self._aborted]
-        self._aborted.clear()
+    def postprocess(self, sampled: list[SampledToken]) -> list[RequestOutput]:
+        """Take in a step's sampled tokens; the outputs of the step."""
+        outputs = [self.output(r) for r in self._finished_between_steps]
+        self._finished_between_steps.clear()
         for token in sampled:
             request = token.request
             request.append_token(token.token_id)
@@ -138,10 +149,10 @@ class LLMEngine:
             status = self.stop_checker.check(request)
             if status is not None:
                 self.scheduler.finish(request, status)
-            outputs.append(self._output(request))
+            outputs.append(self.output(request))
         return outputs
 
-    def _output(self, request: Request) -> RequestOutput:
+    def output(self, request: Request) -> RequestOutput:
         """The request's delta since its previous output."""
         new_tokens = request.output_token_ids[request.num_sent_tokens :]
         visible = self.stop_checker.num_visible_chars(request)
@@ -168,7 +179,7 @@ class LLMEngine:
 
     @property
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests or bool(self._aborted)
+        return self.scheduler.has_unfinished_requests or bool(self._finished_between_steps)
 
     @property
     def num_running(self) -> int:

@@ -7,6 +7,7 @@ token: positions and slots come from a few tensor ops over the whole step.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -36,13 +37,15 @@ class ModelRunner:
         self.block_size = kv_cache.spec.block_size
         self.sampler = Sampler(device, seed)
 
-    def execute(self, scheduled: SchedulerOutput) -> list[SampledToken]:
+    def execute(self, scheduled: SchedulerOutput,
+                on_layer_written: Callable[[int], None] | None = None) -> list[SampledToken]:  # fmt: skip
         """Run one step; a token for each request whose prompt (or recompute)
         is complete after it. Call before the scheduler's `update`."""
         if scheduled.is_empty:
             return []
         sample_mask = scheduled.sample_mask
         batch = self.prepare(scheduled, sample_mask)
+        batch.on_layer_written = on_layer_written
         logits = self.run_model(batch)  # [N, vocab]
         requests = [r for r, samples in zip(scheduled.requests, sample_mask) if samples]
         if not requests:

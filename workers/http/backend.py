@@ -19,6 +19,7 @@ from disagg.workers.metrics import EngineStats
 if TYPE_CHECKING:
     from disagg.workers.engine.async_engine import AsyncEngine
     from disagg.workers.engine.config import EngineConfig
+    from disagg.workers.engine.llm_engine import LLMEngine
     from disagg.workers.engine.outputs import RequestOutput
     from disagg.workers.engine.sampling_params import SamplingParams
     from disagg.workers.engine.tokenizer import Tokenizer
@@ -139,7 +140,7 @@ class EngineBackend(Generic[E]):
         self._engine.shutdown()
 
 
-class LocalEngineBackend(EngineBackend["AsyncEngine"]):
+class LocalEngineBackend(EngineBackend["AsyncEngine[LLMEngine]"]):
     """The mixed role: every request runs on this process's engine."""
 
     @classmethod

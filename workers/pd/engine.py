@@ -9,32 +9,21 @@ the engine package itself knows nothing about PD or transfers.
   its KV is in them, `admit` appends the first token and the request joins
   the running batch as if it had been prefilled here.
 
-Every method runs on the engine thread: `PDAsyncEngine.call` gets there.
+Every method runs on the engine thread: `AsyncEngine.call` gets there.
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
-import queue
-from collections.abc import AsyncIterator, Callable
-from typing import TypeVar
+from collections.abc import AsyncIterator
 
-from disagg.workers.engine.async_engine import AsyncEngine, EngineError
-from disagg.workers.engine.forward_batch import ForwardBatch
+from disagg.workers.engine.async_engine import AsyncEngine
 from disagg.workers.engine.llm_engine import LLMEngine
-from disagg.workers.engine.model_runner import ModelRunner, SampledToken
+from disagg.workers.engine.model_runner import SampledToken
 from disagg.workers.engine.outputs import RequestOutput, TokenLogprob
 from disagg.workers.engine.request import Request, RequestStatus
 from disagg.workers.engine.sampling_params import SamplingParams
-from disagg.workers.engine.scheduler import SchedulerOutput
-
-T = TypeVar("T")
 
 HANDOFF = "handoff"  # finish_reason of a prefill request's one output
-_CALL_TIMEOUT_S = 120.0  # an engine step on a CPU can be long, never this long
-
-LayerHook = Callable[[SchedulerOutput], Callable[[int], None] | None]
 
 
 class OutOfBlocks(RuntimeError):
@@ -45,25 +34,9 @@ class PromptTooLarge(RuntimeError):
     """The prompt can never fit this engine (AddNewRequests 413)."""
 
 
-class _HookedRunner(ModelRunner):
-    """The model runner, with the step's layer callback put on its batch."""
-
-    on_layer_written: Callable[[int], None] | None = None
-
-    def prepare(self, scheduled: SchedulerOutput, sample_mask: list[bool]) -> ForwardBatch:
-        batch = super().prepare(scheduled, sample_mask)
-        batch.on_layer_written = self.on_layer_written
-        return batch
-
-
 class PDEngine(LLMEngine):
-    model_runner: ModelRunner  # a _HookedRunner, set in __init__
-
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        r: ModelRunner = self.model_runner
-        self.model_runner = _HookedRunner(r.model, r.kv_cache, r.vocab_size, r.device, self.config.seed)
-        self.layer_hook: LayerHook | None = None
         # Set from the event loop before the request's add reaches this thread:
         self.pending_hand_offs: set[str] = set()
         self.pending_admissions: dict[str, tuple[int, TokenLogprob | None]] = {}
@@ -123,7 +96,7 @@ class PDEngine(LLMEngine):
         self.scheduler.running.append(request)
         if status is not None:
             self.scheduler.finish(request, status)
-            self._aborted.append(request)  # reported by the next step, like an abort
+            self.report_finished(request)
 
     def release(self, request_id: str) -> bool:
         """Free the blocks of a handed-off request; False if it holds none."""
@@ -149,18 +122,9 @@ class PDEngine(LLMEngine):
 
     # --- the loop -------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        scheduled = self.scheduler.schedule()
-        assert isinstance(self.model_runner, _HookedRunner), "built in __init__"
-        hook = self.layer_hook
-        self.model_runner.on_layer_written = hook(scheduled) if hook and not scheduled.is_empty else None
-        sampled = self.model_runner.execute(scheduled)
-        self.scheduler.update(scheduled)
-        return self._postprocess(sampled)
-
-    def _postprocess(self, sampled: list[SampledToken]) -> list[RequestOutput]:
+    def postprocess(self, sampled: list[SampledToken]) -> list[RequestOutput]:
         handing = [t for t in sampled if t.request.request_id in self._hand_offs]
-        outputs = super()._postprocess([t for t in sampled if t.request.request_id not in self._hand_offs])
+        outputs = super().postprocess([t for t in sampled if t.request.request_id not in self._hand_offs])
         for token in handing:
             outputs.append(self._hand_off(token))
         return outputs
@@ -180,38 +144,13 @@ class PDEngine(LLMEngine):
             new_logprobs=[token.logprob] if token.logprob is not None else None,
         )  # fmt: skip
 
-    def output_of(self, request: Request) -> RequestOutput:
-        """The delta of a request since its previous output (for text built outside the loop)."""
-        return self._output(request)
-
     def check_integrity(self) -> None:
         held = [*self.scheduler.running, *self.reserved.values(), *self.handed_off.values()]
         self.block_manager.check_integrity(held)
 
 
-class PDAsyncEngine(AsyncEngine):
-    """The async engine, plus calls run on the engine thread between steps."""
-
-    engine: PDEngine
-
-    def __init__(self, engine: PDEngine) -> None:
-        super().__init__(engine)
-        self._calls: queue.SimpleQueue[tuple[Callable[[PDEngine], object], concurrent.futures.Future[object]]] = (
-            queue.SimpleQueue()
-        )
-
-    async def call(self, fn: Callable[[PDEngine], T]) -> T:
-        """Run `fn(engine)` on the engine thread between two steps; its result or its exception."""
-        if not self.is_running:
-            raise EngineError("the engine is not running")
-        future: concurrent.futures.Future[object] = concurrent.futures.Future()
-        self._calls.put((fn, future))
-        self._wakeup.set()
-        try:
-            result = await asyncio.wait_for(asyncio.wrap_future(future), _CALL_TIMEOUT_S)
-        except TimeoutError as exc:
-            raise EngineError(f"the engine did not run a call within {_CALL_TIMEOUT_S:.0f} s") from exc
-        return result  # type: ignore[return-value]
+class PDAsyncEngine(AsyncEngine[PDEngine]):
+    """The async engine, with the PD ways into the engine."""
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  hand_off: bool = False) -> AsyncIterator[RequestOutput]:  # fmt: skip
@@ -226,15 +165,3 @@ class PDAsyncEngine(AsyncEngine):
         """Start decoding a reserved request after its first token; stream its later outputs."""
         self.engine.pending_admissions[request_id] = (token_id, logprob)
         return super().generate(request_id, prompt_token_ids, params)
-
-    def _apply_commands(self) -> None:
-        while True:
-            try:
-                fn, future = self._calls.get_nowait()
-            except queue.Empty:
-                break
-            try:
-                future.set_result(fn(self.engine))
-            except Exception as exc:  # handed to the caller's event loop
-                future.set_exception(exc)
-        super()._apply_commands()

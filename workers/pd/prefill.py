@@ -87,11 +87,11 @@ class _TextMirror:
             if request.detokenizer is not None:
                 request.output_text += request.detokenizer.flush()
             request.status = RequestStatus(decode_finish)
-        return self._engine.output_of(request)
+        return self._engine.output(request)
 
     def abort(self) -> RequestOutput:
         self.request.status = RequestStatus.FINISHED_ABORTED
-        return self._engine.output_of(self.request)
+        return self._engine.output(self.request)
 
 
 @dataclass
