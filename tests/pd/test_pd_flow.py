@@ -4,6 +4,7 @@ links, faults and bad RPCs."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -15,7 +16,7 @@ from disagg.workers.config import Role
 from disagg.workers.engine.sampling_params import SamplingParams
 from disagg.workers.http.errors import APIError
 from disagg.workers.pd.config import PDConfig
-from disagg.workers.pd.convert import request_to_proto
+from disagg.workers.pd.convert import SAMPLING_EXTRAS_KEY, request_to_proto
 from disagg.workers.pd.messages import NewRequest
 
 NUM_KV_BLOCKS = 128  # the pool of every worker of pd_pair (conftest.py)
@@ -59,6 +60,19 @@ async def test_greedy_outputs_equal_one_engine(pd_pair: Callable[..., Any], mode
         results = await asyncio.gather(*(collect(pair, f"c{i}", p) for i, p in enumerate(prompts)))
         for p, got in zip(prompts, results):
             assert got == reference_tokens(p, GREEDY)
+        await wait_for(lambda: free_blocks(pair) == (NUM_KV_BLOCKS, NUM_KV_BLOCKS), "every block is free")
+
+
+async def test_seeded_sampling_with_min_p_equals_one_engine(pd_pair: Callable[..., Any],
+                                                            reference_tokens: Callable[..., list[int]]) -> None:
+    # seed and min_p have no DisaggRequest field: they travel as AddNewRequests metadata.
+    params = SamplingParams(max_tokens=12, temperature=1.5, min_p=0.02, seed=1234, ignore_eos=True)
+    async with pd_pair() as pair:
+        for n in (3, 9):
+            expected = reference_tokens(prompt_of(n), params)
+            assert await collect(pair, f"s{n}", prompt_of(n), params) == expected, f"prompt of {n} tokens"
+        # Another seed draws other tokens: the equality above is the seed's doing.
+        assert expected != reference_tokens(prompt_of(9), dataclasses.replace(params, seed=4321))
         await wait_for(lambda: free_blocks(pair) == (NUM_KV_BLOCKS, NUM_KV_BLOCKS), "every block is free")
 
 
@@ -141,6 +155,10 @@ async def test_bad_rpcs_get_errors_and_the_decode_keeps_serving(pd_pair: Callabl
         first = await stub.AddNewRequests(pb.DisaggRequests(prefill_name=name, reqs=[req]), timeout=5)
         second = await stub.AddNewRequests(pb.DisaggRequests(prefill_name=name, reqs=[req]), timeout=5)
         assert [first.resps[0].status_code, second.resps[0].status_code] == [200, 500]
+        for extras in ("{not json", '{"x": {"seed": "7"}}', '{"x": {"min_p": 3}}', '{"x": {"colour": 1}}'):
+            call = stub.AddNewRequests(pb.DisaggRequests(prefill_name=name, reqs=[req]), timeout=5,
+                                       metadata=((SAMPLING_EXTRAS_KEY, extras.replace("x", "dup")),))
+            assert await code_of(call) == grpc.StatusCode.INVALID_ARGUMENT, extras
         too_big = request_to_proto(NewRequest("big", prompt_of(300), GREEDY, name))
         answer = await stub.AddNewRequests(pb.DisaggRequests(prefill_name=name, reqs=[too_big]), timeout=5)
         assert answer.resps[0].status_code == 413

@@ -136,6 +136,13 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata, generator: torch.Genera
     return (probs / q).argmax(dim=-1)
 
 
+def skip_draw(generator: torch.Generator, vocab_size: int) -> None:
+    """Advance a request's generator past one `sample` draw, as if it had sampled
+    a token here (a decode continuing a seeded request whose first token the
+    prefill drew)."""
+    torch.empty(vocab_size, device=generator.device).exponential_(generator=generator)
+
+
 def mask_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor | None, top_ps: torch.Tensor | None) -> torch.Tensor:
     """Set to -inf every logit outside each row's top k, then outside the
     smallest set whose probability reaches top p (the best token always stays)."""

@@ -43,7 +43,8 @@ class PeerClients:
         stub = disagg_pd_pb2_grpc.DisaggPDServiceStub(self._channel(decode))
         msg = pb.DisaggRequests(prefill_name=prefill_name, reqs=[convert.request_to_proto(r) for r in reqs])
         try:
-            answer = await stub.AddNewRequests(msg, timeout=self._config.rpc_timeout_s)
+            answer = await stub.AddNewRequests(msg, timeout=self._config.rpc_timeout_s,
+                                               metadata=convert.sampling_extras_metadata(reqs))
         except grpc.aio.AioRpcError as exc:
             raise rpc_error(decode, exc) from exc
         if len(answer.resps) != len(reqs):

@@ -6,8 +6,10 @@ it to INVALID_ARGUMENT.
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
-from collections.abc import Sequence
+import json
+from collections.abc import Iterable, Sequence
 
 from disagg.proto import disagg_pd_pb2 as pb
 from disagg.workers.engine.outputs import RequestOutput, TokenLogprob
@@ -49,6 +51,50 @@ def request_from_proto(msg: pb.DisaggRequest) -> NewRequest:
         skip_special_tokens=msg.skip_special_tokens,
     )  # fmt: skip
     return NewRequest(msg.req_id, list(msg.prompt_tokens), params, msg.source_xservice_addr)
+
+
+# The sampling fields DisaggRequest has no field for travel as gRPC metadata of
+# AddNewRequests: JSON {req_id: {field: value}}, only for requests that set one.
+# A decode that does not read it (xLLM's) samples without them.
+SAMPLING_EXTRAS_KEY = "x-disagg-sampling-extras"
+_EXTRA_DEFAULTS = {"seed": None, "min_p": 0.0}
+
+
+def sampling_extras_metadata(reqs: Sequence[NewRequest]) -> tuple[tuple[str, str], ...]:
+    extras = {}
+    for r in reqs:
+        fields = {name: getattr(r.params, name) for name, default in _EXTRA_DEFAULTS.items()
+                  if getattr(r.params, name) != default}  # fmt: skip
+        if fields:
+            extras[r.req_id] = fields
+    return ((SAMPLING_EXTRAS_KEY, json.dumps(extras)),) if extras else ()
+
+
+def with_sampling_extras(reqs: list[NewRequest], metadata: Iterable[tuple[str, str | bytes]]) -> list[NewRequest]:
+    """`reqs` with the extras of `sampling_extras_metadata` applied; ValueError for a malformed entry."""
+    raw = next((value for key, value in metadata if key == SAMPLING_EXTRAS_KEY), None)
+    if raw is None:
+        return reqs
+    try:
+        extras = json.loads(raw)
+    except ValueError as exc:
+        raise ValueError(f"{SAMPLING_EXTRAS_KEY} is not JSON: {exc}") from None
+    if not isinstance(extras, dict):
+        raise ValueError(f"{SAMPLING_EXTRAS_KEY} must map request ids to fields")
+    out = []
+    for r in reqs:
+        fields = extras.get(r.req_id, {})
+        if not isinstance(fields, dict) or not set(fields) <= set(_EXTRA_DEFAULTS):
+            raise ValueError(f"{SAMPLING_EXTRAS_KEY} of {r.req_id}: fields must be among {sorted(_EXTRA_DEFAULTS)}")
+        seed, min_p = fields.get("seed"), fields.get("min_p", 0.0)
+        if not (seed is None or type(seed) is int) or type(min_p) not in (int, float):
+            raise ValueError(f"{SAMPLING_EXTRAS_KEY} of {r.req_id}: seed must be an integer, min_p a number")
+        try:
+            params = dataclasses.replace(r.params, seed=seed, min_p=float(min_p))
+        except ValueError as exc:
+            raise ValueError(f"{SAMPLING_EXTRAS_KEY} of {r.req_id}: {exc}") from None
+        out.append(dataclasses.replace(r, params=params))
+    return out
 
 
 def reservation_to_proto(r: Reservation) -> pb.DisaggResponse:

@@ -21,6 +21,7 @@ from disagg.workers.engine.llm_engine import LLMEngine
 from disagg.workers.engine.model_runner import SampledToken
 from disagg.workers.engine.outputs import RequestOutput, TokenLogprob
 from disagg.workers.engine.request import Request, RequestStatus
+from disagg.workers.engine.sampler import skip_draw
 from disagg.workers.engine.sampling_params import SamplingParams
 
 HANDOFF = "handoff"  # finish_reason of a prefill request's one output
@@ -86,6 +87,8 @@ class PDEngine(LLMEngine):
         request.num_computed_tokens = request.num_prompt_tokens
         self.block_manager.commit(request)
         request.append_token(token_id)
+        if request.generator is not None and not request.sampling_params.is_greedy:
+            skip_draw(request.generator, self.model_config.vocab_size)  # the prefill's draw of token_id
         # The prefill already sent the first token and its text.
         status = self.stop_checker.check(request)
         request.num_sent_tokens = 1

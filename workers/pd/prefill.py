@@ -14,9 +14,9 @@ One request (a `_Call`):
 A client that goes away before step 3 ends cancels the reservation; after
 it, the next Generations for the request is answered ok=false.
 
-NOTE: the wire's DisaggRequest has no seed field, so a seeded request's tokens
-after the first are drawn by the decode's own generator and differ from the
-mixed role's for the same seed. Greedy outputs are identical token for token.
+The sampling fields DisaggRequest lacks (seed, min_p) go along as gRPC
+metadata (`convert.sampling_extras_metadata`), so seeded sampling gives the
+mixed role's tokens too; an xLLM decode ignores them.
 """
 
 from __future__ import annotations

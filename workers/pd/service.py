@@ -96,6 +96,10 @@ class DisaggPDServicer(disagg_pd_pb2_grpc.DisaggPDServiceServicer):
                 answers[i] = Reservation(msg.req_id, Admission.REFUSED, [])
         if not request.prefill_name:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prefill_name is empty")
+        try:
+            reqs = convert.with_sampling_extras(reqs, context.invocation_metadata() or ())
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         reserved = iter(await _answer(context, lambda: self._role.add_requests(request.prefill_name, reqs)))
         ordered = [answers[i] if i in answers else next(reserved) for i in range(len(request.reqs))]
         return pb.DisaggResponses(resps=[convert.reservation_to_proto(r) for r in ordered])
