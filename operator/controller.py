@@ -12,8 +12,9 @@ import asyncio
 import datetime
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 import kopf
@@ -94,7 +95,8 @@ class ClusterController:
         if self.service_generation != generation:
             await self.deps.kube.apply_service(self.namespace, m.prefill_service(body, spec))
             self.service_generation = generation
-        await self._scale(spec)
+        templates = m.current_templates(spec, *self._security_contexts)
+        await self._scale(spec, templates)
         await self._observe_models()
         plan = await self._link()
         for flip in plan_gates(self.views, self.graph, plan.desired):
@@ -102,7 +104,7 @@ class ClusterController:
                 "type": m.LINKED_GATE, "status": "True" if flip.linked else "False",
                 "reason": flip.reason, "message": flip.message, "lastTransitionTime": _now_iso()})
         self._start_drains(spec)
-        status = build_status(self.name, self.namespace, generation, spec, self.views, self.graph, plan,
+        status = build_status(self.name, self.namespace, generation, spec, self.views, self.graph, plan, templates,
                               body.get("status") or {}, _now_iso())
         if status_changed(status, body.get("status") or {}):
             await self.deps.kube.patch_status(self.namespace, self.name, status)
@@ -113,15 +115,19 @@ class ClusterController:
             resync = min(resync, self.deps.settings.health_poll_s)
         return resync if due is None else max(0.05, min(resync, due - time.monotonic()))
 
-    async def _scale(self, spec: ClusterSpec) -> None:
+    @property
+    def _security_contexts(self) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
+        """The operator's defaults for every worker pod (pod level, container level)."""
+        return self.deps.settings.worker_pod_security_context, self.deps.settings.worker_security_context
+
+    async def _scale(self, spec: ClusterSpec, templates: Mapping[str, str]) -> None:
         load: dict[str, float] = {}
         candidates = [v for vs in surplus(spec, self.views).values() for v in vs if v.ip]
         counts = await asyncio.gather(*(in_flight(self.deps.http, v.ip) for v in candidates))
         load = {v.name: c for v, c in zip(candidates, counts) if c is not None}
-        plan = plan_pods(spec, self.name, self.body["metadata"]["uid"], self.views, load)
+        plan = plan_pods(spec, self.name, self.body["metadata"]["uid"], self.views, load, templates)
         for role, name in plan.create:
-            pod = m.worker_pod(self.body, role, name, spec, self.deps.settings.worker_pod_security_context,
-                               self.deps.settings.worker_security_context)
+            pod = m.worker_pod(self.body, role, name, spec, *self._security_contexts)
             await self.deps.kube.create_pod(self.namespace, pod)
         for name in plan.drain:
             await self.deps.kube.annotate_pod(self.namespace, name, {m.DRAINING_ANNOTATION: _now_iso()})

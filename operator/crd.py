@@ -95,7 +95,7 @@ def spec_schema() -> Schema:
 
 def _role_status(role: str) -> Schema:
     n = {"type": "integer", "format": "int32"}
-    return _obj(f"The {role} pods.", {"replicas": n, "ready": n, "linked": n, "draining": n})
+    return _obj(f"The {role} pods.", {"replicas": n, "updated": n, "ready": n, "linked": n, "draining": n})
 
 
 def status_schema() -> Schema:

@@ -7,12 +7,13 @@ talks to the cluster.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Mapping
 from typing import Any, cast
 
 import kopf
 
-from disagg.operator.spec import ClusterSpec
+from disagg.operator.spec import ROLES, ClusterSpec
 
 Obj = dict[str, Any]
 
@@ -21,6 +22,9 @@ LINKED_GATE = f"{GROUP}/linked"  # the readiness gate the operator sets once a p
 CLUSTER_LABEL = f"{GROUP}/cluster"
 ROLE_LABEL = f"{GROUP}/role"
 LAYOUT_LABEL = f"{GROUP}/kv-layout"
+# A hash of the pod spec the pod was made from: pods whose hash differs from the
+# current spec's are replaced, one at a time (a rolling update).
+TEMPLATE_LABEL = f"{GROUP}/pod-template-hash"
 DRAINING_ANNOTATION = f"{GROUP}/draining-since"  # set when scale-down picks a pod; a fact that survives restarts
 
 # Every pod has its own IP, so the ports can be the same in every pod.
@@ -98,15 +102,13 @@ def _env(role: str, spec: ClusterSpec) -> list[Obj]:
     return own + [dict(v) for v in spec.role(role).env]
 
 
-def worker_pod(owner: Mapping[str, Any], role: str, name: str, spec: ClusterSpec,
-               pod_security_context: Mapping[str, Any] | None = None,
-               security_context: Mapping[str, Any] | None = None) -> Obj:
-    """One worker pod of `role`, owned by the DisaggCluster `owner` (its body).
+def worker_pod_spec(role: str, spec: ClusterSpec, pod_security_context: Mapping[str, Any] | None = None,
+                    security_context: Mapping[str, Any] | None = None) -> Obj:
+    """The pod spec of every worker pod of `role`.
 
     The security contexts are the operator's defaults for every worker pod
     (the chart's workerPods values), applied as given.
     """
-    cluster = owner["metadata"]["name"]
     r = spec.role(role)
     container: Obj = {
         "name": CONTAINER,
@@ -143,10 +145,32 @@ def worker_pod(owner: Mapping[str, Any], role: str, name: str, spec: ClusterSpec
                 "affinity": dict(r.affinity), "priorityClassName": r.priority_class_name,
                 "securityContext": dict(pod_security_context or {})}
     pod_spec.update({k: v for k, v in optional.items() if v})
+    return pod_spec
+
+
+def template_hash(pod_spec: Mapping[str, Any]) -> str:
+    """A short, stable hash of a pod spec (a label value)."""
+    return hashlib.sha256(json.dumps(pod_spec, sort_keys=True).encode()).hexdigest()[:10]
+
+
+def current_templates(spec: ClusterSpec, pod_security_context: Mapping[str, Any] | None = None,
+                      security_context: Mapping[str, Any] | None = None) -> dict[str, str]:
+    """Per role, the `template_hash` new pods get now."""
+    return {role: template_hash(worker_pod_spec(role, spec, pod_security_context, security_context))
+            for role in ROLES}
+
+
+def worker_pod(owner: Mapping[str, Any], role: str, name: str, spec: ClusterSpec,
+               pod_security_context: Mapping[str, Any] | None = None,
+               security_context: Mapping[str, Any] | None = None) -> Obj:
+    """One worker pod of `role`, owned by the DisaggCluster `owner` (its body),
+    labelled with its spec's `template_hash`."""
+    cluster = owner["metadata"]["name"]
+    pod_spec = worker_pod_spec(role, spec, pod_security_context, security_context)
     pod: Obj = {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": {"name": name, "labels": labels(cluster, role, spec)},
+        "metadata": {"name": name, "labels": {**labels(cluster, role, spec), TEMPLATE_LABEL: template_hash(pod_spec)}},
         "spec": pod_spec,
     }
     kopf.adopt(pod, owner=kopf.Body(cast(kopf.RawBody, dict(owner))))

@@ -25,6 +25,7 @@ class PodView:
     uid: str
     role: str
     layout: str
+    template: str  # the pod-template-hash label ("" on pods made before it existed)
     ip: str
     phase: str
     running: bool  # the worker container is running now
@@ -51,6 +52,11 @@ class PodView:
     def is_active(self) -> bool:
         """Counts towards the role's replicas."""
         return not self.is_gone and not self.is_draining
+
+    @property
+    def serving(self) -> bool:
+        """Ready and linked: in routing, carrying requests."""
+        return self.containers_ready and self.gate
 
     @property
     def model_loaded(self) -> bool:
@@ -104,6 +110,7 @@ def pod_view(pod: Mapping[str, Any]) -> PodView:
         uid=meta.get("uid", ""),
         role=labels.get(m.ROLE_LABEL, ""),
         layout=labels.get(m.LAYOUT_LABEL, ""),
+        template=labels.get(m.TEMPLATE_LABEL, ""),
         ip=status.get("podIP") or "",
         phase=status.get("phase") or "Pending",
         running="running" in (c.get("state") or {}),
@@ -123,6 +130,8 @@ def with_loaded(views: Iterable[PodView], loaded: Set[str]) -> list[PodView]:
 
 
 # ---- pods -------------------------------------------------------------------
+
+MAX_SURGE = 1  # pods above a role's replicas while it rolls to a new template
 
 
 @dataclass(frozen=True)
@@ -146,11 +155,13 @@ def surplus(spec: ClusterSpec, views: Sequence[PodView]) -> dict[str, list[PodVi
     return out
 
 
-def pick_victims(candidates: Sequence[PodView], count: int, layout: str, load: Mapping[str, float]) -> list[str]:
-    """The `count` pods whose removal hurts least: an outdated KV layout first,
-    then not ready, then least in-flight requests, then the newest."""
-    def cost(v: PodView) -> tuple[bool, bool, float]:
-        return (v.layout == layout, v.containers_ready and v.gate, load.get(v.name, 0.0))
+def pick_victims(candidates: Sequence[PodView], count: int, layout: str, template: str,
+                 load: Mapping[str, float]) -> list[str]:
+    """The `count` pods whose removal hurts least: an outdated pod template first,
+    then an outdated KV layout, then not serving, then least in-flight requests,
+    then the newest."""
+    def cost(v: PodView) -> tuple[bool, bool, bool, float]:
+        return (v.template == template, v.layout == layout, v.serving, load.get(v.name, 0.0))
 
     # A stable sort of the newest-first list: ties go to the newest pod.
     newest_first = sorted(candidates, key=lambda v: v.created, reverse=True)
@@ -158,15 +169,29 @@ def pick_victims(candidates: Sequence[PodView], count: int, layout: str, load: M
 
 
 def plan_pods(spec: ClusterSpec, cluster: str, cluster_uid: str, views: Sequence[PodView],
-              load: Mapping[str, float]) -> PodPlan:
-    """Converge each role's active pods to its replicas; `load` (in-flight
-    requests per pod) is needed only for the roles `surplus` names."""
+              load: Mapping[str, float], templates: Mapping[str, str]) -> PodPlan:
+    """Converge each role's active pods to its replicas, all of the role's
+    current pod template (`templates`); `load` (in-flight requests per pod) is
+    needed only for the roles `surplus` names.
+
+    A template change rolls a role one pod at a time, never below its replicas
+    in service: one pod above replicas is made from the new template, and an
+    outdated pod is drained once a serving pod stands in for it (an outdated
+    pod that does not serve may go at once).
+    """
     taken = {v.name for v in views}
     create: list[tuple[str, str]] = []
     drain: list[str] = []
     for role in ROLES:
+        replicas, template = spec.role(role).replicas, templates[role]
         active = [v for v in views if v.role == role and v.is_active]
-        missing = spec.role(role).replicas - len(active)
+        outdated = [v for v in active if v.template != template]
+        missing = replicas - (len(active) - len(outdated))
+        excess = len(active) - replicas
+        if outdated:
+            missing = min(missing, replicas + MAX_SURGE - len(active))
+            spare = sum(v.serving for v in active) - replicas
+            excess = min(excess, sum(not v.serving for v in outdated) + max(0, spare))
         slot = 0
         while missing > 0:
             name = m.pod_name(cluster, cluster_uid, role, slot)
@@ -175,8 +200,8 @@ def plan_pods(spec: ClusterSpec, cluster: str, cluster_uid: str, views: Sequence
                 create.append((role, name))
                 taken.add(name)
                 missing -= 1
-        if missing < 0:
-            drain += pick_victims(active, -missing, spec.kv_layout, load)
+        if excess > 0:
+            drain += pick_victims(active, excess, spec.kv_layout, template, load)
     delete = [v.name for v in views if v.phase in ("Failed", "Succeeded") and not v.deleting]
     return PodPlan(create=tuple(create), drain=tuple(drain), delete=tuple(delete))
 

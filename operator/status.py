@@ -27,7 +27,8 @@ class Condition:
     message: str
 
 
-def _role_counts(role: str, views: Sequence[PodView], graph: LinkGraph, plan: LinkPlan) -> dict[str, int]:
+def _role_counts(role: str, views: Sequence[PodView], graph: LinkGraph, plan: LinkPlan,
+                 template: str) -> dict[str, int]:
     mine = [v for v in views if v.role == role]
     active = [v for v in mine if v.is_active]
 
@@ -37,6 +38,7 @@ def _role_counts(role: str, views: Sequence[PodView], graph: LinkGraph, plan: Li
 
     return {
         "replicas": len(active),
+        "updated": sum(v.template == template for v in active),
         "ready": sum(v.containers_ready and v.gate for v in active),
         "linked": sum(linked(v) for v in active),
         "draining": sum(v.is_draining and not v.is_gone for v in mine),
@@ -66,11 +68,16 @@ def conditions(spec: ClusterSpec, views: Sequence[PodView], graph: LinkGraph, pl
     else:
         available = Condition("Available", False, "NoLinkedDecode", "no decode pod is linked to a prefill")
 
+    rolling = [f"{r} {counts[r]['updated']}/{spec.role(r).replicas}" for r in ROLES
+               if counts[r]["updated"] < counts[r]["replicas"]]
     scaling = [f"{r} {counts[r]['replicas']}/{spec.role(r).replicas}" for r in ROLES
                if counts[r]["replicas"] != spec.role(r).replicas]
     unready = [r for r in ROLES if counts[r]["ready"] < counts[r]["replicas"]]
     draining = sum(counts[r]["draining"] for r in ROLES)
-    if scaling:
+    if rolling:
+        progressing = Condition("Progressing", True, "RollingUpdate",
+                                "pods of the current pod template per role: " + ", ".join(rolling))
+    elif scaling:
         progressing = Condition("Progressing", True, "Scaling", "pods per role: " + ", ".join(scaling))
     elif draining:
         progressing = Condition("Progressing", True, "Draining", f"{draining} pods finish their requests before deletion")
@@ -110,9 +117,11 @@ def conditions(spec: ClusterSpec, views: Sequence[PodView], graph: LinkGraph, pl
 
 
 def build_status(cluster: str, namespace: str, generation: int, spec: ClusterSpec, views: Sequence[PodView],
-                 graph: LinkGraph, plan: LinkPlan, previous: Mapping[str, Any], now: str) -> dict[str, Any]:
-    """The whole status; a condition keeps its lastTransitionTime while its status holds."""
-    counts = {r: _role_counts(r, views, graph, plan) for r in ROLES}
+                 graph: LinkGraph, plan: LinkPlan, templates: Mapping[str, str], previous: Mapping[str, Any],
+                 now: str) -> dict[str, Any]:
+    """The whole status; a condition keeps its lastTransitionTime while its status holds.
+    `templates`: per role, the current pod template hash."""
+    counts = {r: _role_counts(r, views, graph, plan, templates[r]) for r in ROLES}
     established = sum(p in graph.edges for p in plan.desired)
     failed = sum(p in graph.failures for p in plan.desired)
     before = {c.get("type"): c for c in previous.get("conditions") or []}

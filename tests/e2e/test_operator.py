@@ -508,6 +508,39 @@ def test_scaling_either_role_under_load_loses_no_request(
     assert operator.metric("disagg_operator_link_operations_total", operation="unlink", result="success") >= 4
 
 
+def test_a_spec_change_rolls_every_pod_under_load_losing_no_request(
+        operator: OperatorProcess, custom: client.CustomObjectsApi, core: client.CoreV1Api, namespace: str,
+        tiny_model: Path, reference: tuple[str, list[int]]) -> None:
+    create(custom, namespace, cluster_body("llm", str(tiny_model)))
+    wait_until(lambda: _settled(custom, core, namespace, 1, 1), WAIT_S, "one prefill and one decode, linked")
+    before = {p["metadata"]["name"]: p["metadata"]["labels"][m.TEMPLATE_LABEL] for p in pods(core, namespace)}
+    seen: set[str] = set()
+
+    def rolled() -> bool:
+        conditions = {c["type"]: c for c in read(custom, namespace, "llm").get("status", {}).get("conditions", [])}
+        seen.add(conditions.get("Progressing", {}).get("reason", ""))
+        now = pods(core, namespace)
+        return _settled(custom, core, namespace, 1, 1) and not {p["metadata"]["name"] for p in now} & set(before)
+
+    with Load(core, namespace, reference) as load:
+        load.wait_for(2)
+        # Same KV layout, same greedy text, another pod spec for both roles.
+        custom.patch_namespaced_custom_object(crd.GROUP, crd.VERSION, namespace, crd.PLURAL, "llm",
+                                              {"spec": {"engine": {"maxNumSeqs": 4}}}, _request_timeout=10)
+        wait_until(rolled, WAIT_S, "every pod replaced from the new spec, linked")
+        load.wait_for(2)
+    assert not load.failures, load.failures
+    assert "RollingUpdate" in seen
+    after = pods(core, namespace)
+    assert not {p["metadata"]["labels"][m.TEMPLATE_LABEL] for p in after} & set(before.values())
+    for pod in after:
+        args = pod["spec"]["containers"][0]["args"]
+        assert args[args.index("--max-num-seqs") + 1] == "4"
+    status = read(custom, namespace, "llm")["status"]
+    assert status["prefill"]["updated"] == status["decode"]["updated"] == 1
+    assert _reasons(core, namespace).count("Drained") == 2
+
+
 def test_a_killed_worker_is_replaced_and_an_operator_restart_converges(
         operator: OperatorProcess, custom: client.CustomObjectsApi, core: client.CoreV1Api, cluster: LocalCluster,
         namespace: str, tiny_model: Path, reference: tuple[str, list[int]]) -> None:
@@ -543,27 +576,26 @@ def test_a_killed_worker_is_replaced_and_an_operator_restart_converges(
         assert _chat(ip) == reference
 
 
-def test_layout_mismatch_never_links(operator: OperatorProcess, custom: client.CustomObjectsApi,
-                                     core: client.CoreV1Api, namespace: str, tiny_model: Path) -> None:
+def test_a_layout_change_rolls_both_roles_never_linking_across_layouts(
+        operator: OperatorProcess, custom: client.CustomObjectsApi, core: client.CoreV1Api, namespace: str,
+        tiny_model: Path, reference: tuple[str, list[int]]) -> None:
     create(custom, namespace, cluster_body("llm", str(tiny_model)))
     wait_until(lambda: _settled(custom, core, namespace, 1, 1), WAIT_S, "one prefill and one decode, linked")
+    old_layout = pods(core, namespace)[0]["metadata"]["labels"][m.LAYOUT_LABEL]
     custom.patch_namespaced_custom_object(crd.GROUP, crd.VERSION, namespace, crd.PLURAL, "llm",
-                                          {"spec": {"engine": {"blockSize": 8}, "decode": {"replicas": 2}}},
-                                          _request_timeout=10)
+                                          {"spec": {"engine": {"blockSize": 8}}}, _request_timeout=10)
 
-    def degraded() -> bool:
-        s = read(custom, namespace, "llm").get("status") or {}
-        new = [p for p in pods(core, namespace, "decode") if _conditions(p).get("ContainersReady") == "True"]
-        return len(new) == 2 and any(c["type"] == "Degraded" and c["reason"] == "LayoutMismatch"
-                                     for c in s.get("conditions", []))
+    def rolled() -> bool:
+        layouts = {p["metadata"]["labels"][m.LAYOUT_LABEL] for p in pods(core, namespace)}
+        return _settled(custom, core, namespace, 1, 1) and old_layout not in layouts
 
-    wait_until(degraded, WAIT_S, "a LayoutMismatch condition with the new decode running")
-    s = read(custom, namespace, "llm")["status"]
-    assert s["links"]["established"] == 1  # the old pair only
-    # The workers agree: the prefill holds one link, the new decode none.
-    assert _links_of(core, namespace, "prefill") == [1.0]
-    assert sorted(_links_of(core, namespace, "decode")) == [0.0, 1.0]
+    wait_until(rolled, WAIT_S, "both roles replaced by pods of the new KV layout, linked")
+    # While old and new pods ran side by side, the mismatch was reported and never linked.
     assert "LayoutMismatch" in _reasons(core, namespace)
+    assert operator.metric("disagg_operator_link_operations_total", operation="link", result="failure") == 0
+    assert _links_of(core, namespace, "prefill") == _links_of(core, namespace, "decode") == [1.0]
+    (prefill,) = pods(core, namespace, "prefill")
+    assert _chat(prefill["status"]["podIP"]) == reference
 
 
 def test_prefill_service_endpoints_list_only_the_linked_prefill(

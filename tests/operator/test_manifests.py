@@ -25,6 +25,24 @@ def test_pod_runs_disagg_serve_with_the_engine_args(spec: ClusterSpec, owner: Ca
     assert c["lifecycle"]["preStop"]["sleep"]["seconds"] > 0
 
 
+def test_template_hash_follows_the_pod_spec_not_the_name(owner: Callable[..., Any]) -> None:
+    def spec_with(**decode: Any) -> ClusterSpec:
+        return parse_spec({"model": {"source": "m"}, "decode": decode})
+
+    def template(spec: ClusterSpec, name: str = "llm-decode-abcde", **contexts: Any) -> str:
+        return str(m.worker_pod(owner(), "decode", name, spec, **contexts)["metadata"]["labels"][m.TEMPLATE_LABEL])
+
+    base = spec_with()
+    assert template(base) == template(base, "llm-decode-fghij") == m.current_templates(base)["decode"]
+    assert template(base) != template(spec_with(args=["--seed", "7"]))
+    assert template(base) != template(spec_with(resources={"limits": {"cpu": "2"}}))
+    assert template(base) != template(base, security_context={"runAsNonRoot": True})
+    # A prefill-only change leaves the decode template alone.
+    prefill_only = parse_spec({"model": {"source": "m"}, "prefill": {"args": ["--seed", "7"]}})
+    assert m.current_templates(prefill_only)["decode"] == template(base)
+    assert m.current_templates(prefill_only)["prefill"] != m.current_templates(base)["prefill"]
+
+
 def test_pod_carries_gate_owner_labels_and_scheduling(owner: Callable[..., Any]) -> None:
     spec = parse_spec({"model": {"source": "m"}, "prefill": {
         "nodeSelector": {"gpu": "h100"}, "tolerations": [{"key": "gpu", "operator": "Exists"}],

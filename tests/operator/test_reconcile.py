@@ -7,14 +7,18 @@ from typing import Any
 
 from disagg.operator import manifests as m
 from disagg.operator.links import Endpoint, LinkGraph, LinkOp, LinkResult
-from disagg.operator.reconcile import PodView, plan_gates, plan_links, plan_pods, pod_view, surplus, with_loaded
-from disagg.operator.spec import ClusterSpec
+from disagg.operator.reconcile import PodPlan, PodView, plan_gates, plan_links, plan_pods, pod_view, surplus, with_loaded
+from disagg.operator.spec import ClusterSpec, parse_spec
 
 Pod = Callable[..., dict[str, Any]]
 
 
 def views_of(*pods: dict[str, Any]) -> list[PodView]:
     return [pod_view(p) for p in pods]
+
+
+def pods_plan(spec: ClusterSpec, views: list[PodView], load: dict[str, float] | None = None) -> PodPlan:
+    return plan_pods(spec, "llm", "uid-1", views, load or {}, m.current_templates(spec))
 
 
 def link_all(graph: LinkGraph, views: list[PodView]) -> None:
@@ -37,19 +41,19 @@ def test_scale_up_creates_missing_pods_with_fresh_deterministic_names(make_spec:
     spec = make_spec(prefill=1, decode=3)
     first = m.pod_name("llm", "uid-1", "decode", 0)
     views = views_of(served_pod("decode", first, "127.0.0.2", spec))
-    plan = plan_pods(spec, "llm", "uid-1", views, {})
+    plan = pods_plan(spec, views)
     assert [r for r, _ in plan.create] == ["prefill", "decode", "decode"]
     names = [n for _, n in plan.create]
     assert first not in names and len(set(names)) == 3
     # Same actual state, same plan: a retried reconcile re-creates the same names (and meets 409).
-    assert plan_pods(spec, "llm", "uid-1", views, {}) == plan
+    assert pods_plan(spec, views) == plan
 
 
 def test_terminating_pods_are_replaced_under_a_new_name(spec: ClusterSpec, served_pod: Pod) -> None:
     old = m.pod_name("llm", "uid-1", "decode", 0)
     views = views_of(served_pod("prefill", "p", "127.0.0.3", spec),
                      served_pod("decode", old, "127.0.0.2", spec, deleting=True))
-    plan = plan_pods(spec, "llm", "uid-1", views, {})
+    plan = pods_plan(spec, views)
     assert plan.create == (("decode", m.pod_name("llm", "uid-1", "decode", 1)),)
 
 
@@ -60,17 +64,62 @@ def test_scale_down_drains_the_least_busy_and_prefers_outdated_layouts(make_spec
                      served_pod("decode", "busy", "127.0.0.2", spec, gate=True),
                      served_pod("decode", "idle", "127.0.0.3", spec, gate=True))
     assert set(surplus(spec, views)) == {"decode"}
-    plan = plan_pods(spec, "llm", "uid-1", views, {"busy": 5.0, "idle": 1.0})
+    plan = pods_plan(spec, views, {"busy": 5.0, "idle": 1.0})
     assert plan.drain == ("idle",) and not plan.create
     old = make_spec(decode=1, blockSize=32)
     views.append(pod_view(served_pod("decode", "stale", "127.0.0.4", old, gate=True)))
-    plan = plan_pods(spec, "llm", "uid-1", views, {"busy": 5.0, "idle": 0.0, "stale": 9.0})
+    plan = pods_plan(spec, views, {"busy": 5.0, "idle": 0.0, "stale": 9.0})
     assert set(plan.drain) == {"stale", "idle"}
     # Draining pods no longer count: nothing more to do while they drain.
     draining = views_of(served_pod("prefill", "p", "127.0.0.9", spec),
                         served_pod("decode", "busy", "127.0.0.2", spec, gate=True),
                         served_pod("decode", "idle", "127.0.0.3", spec, draining="2025-01-01T00:00:00Z"))
-    assert plan_pods(spec, "llm", "uid-1", draining, {}).empty
+    assert pods_plan(spec, draining).empty
+
+
+def test_a_template_change_rolls_one_pod_at_a_time_never_below_replicas(served_pod: Pod) -> None:
+    def spec_of(*decode_args: str) -> ClusterSpec:
+        return parse_spec({"model": {"source": "m"}, "prefill": {"replicas": 1},
+                           "decode": {"replicas": 2, "args": list(decode_args)}})
+
+    old, new = spec_of(), spec_of("--seed", "7")
+    pods = {"p": served_pod("prefill", "p", "127.0.0.9", new, gate=True),
+            "a": served_pod("decode", "a", "127.0.0.2", old, gate=True, created="2025-01-01T00:00:01Z"),
+            "b": served_pod("decode", "b", "127.0.0.3", old, gate=True, created="2025-01-01T00:00:02Z")}
+
+    def step(load: dict[str, float] | None = None) -> PodPlan:
+        return pods_plan(new, views_of(*pods.values()), load)
+
+    # One pod above replicas, from the new template; nothing drains while it is not serving.
+    plan = step()
+    assert [r for r, _ in plan.create] == ["decode"] and not plan.drain
+    (_, c_name), = plan.create
+    pods["c"] = served_pod("decode", c_name, "127.0.0.4", new, ready=False)
+    assert step().empty
+    # Once it serves, the less busy old pod drains; no second new pod until then.
+    pods["c"] = served_pod("decode", c_name, "127.0.0.4", new, gate=True)
+    assert step({"a": 3.0, "b": 1.0}) == PodPlan(drain=("b",))
+    pods["b"] = served_pod("decode", "b", "127.0.0.3", old, gate=True, draining="2025-01-01T00:01:00Z")
+    plan = step()
+    assert [r for r, _ in plan.create] == ["decode"] and not plan.drain
+    (_, d_name), = plan.create
+    pods["d"] = served_pod("decode", d_name, "127.0.0.5", new, gate=True)
+    assert step() == PodPlan(drain=("a",))
+    del pods["a"], pods["b"]
+    assert step().empty
+
+
+def make_spec_with_seed(seed: str | None) -> ClusterSpec:
+    args = ["--seed", seed] if seed else []
+    return parse_spec({"model": {"source": "m"}, "decode": {"args": args}})
+
+
+def test_an_outdated_pod_that_does_not_serve_goes_without_waiting(served_pod: Pod) -> None:
+    old, new = make_spec_with_seed(None), make_spec_with_seed("7")
+    views = views_of(served_pod("prefill", "p", "127.0.0.9", new, gate=True),
+                     served_pod("decode", "crashing", "127.0.0.2", old, ready=False),
+                     served_pod("decode", "fresh", "127.0.0.3", new, ready=False))
+    assert pods_plan(new, views) == PodPlan(drain=("crashing",))
 
 
 def test_links_pair_every_decode_with_every_prefill_on_the_decode(make_spec: Callable[..., ClusterSpec],

@@ -5,12 +5,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from disagg.operator import manifests as m
 from disagg.operator.links import LinkGraph, LinkResult
-from disagg.operator.reconcile import pod_view, plan_links
+from disagg.operator.reconcile import LinkPlan, PodView, plan_links, pod_view
 from disagg.operator.spec import ClusterSpec
 from disagg.operator.status import build_status
 
 NOW = "2025-01-01T00:00:00Z"
+
+
+def status_of(generation: int, spec: ClusterSpec, views: list[PodView], graph: LinkGraph, plan: LinkPlan,
+              previous: dict[str, Any], now: str) -> dict[str, Any]:
+    return build_status("llm", "ns", generation, spec, views, graph, plan, m.current_templates(spec), previous, now)
 
 
 def conditions(status: dict[str, Any]) -> dict[str, tuple[str, str]]:
@@ -24,16 +30,16 @@ def test_serving_cluster_reports_available_and_links(spec: ClusterSpec, served_p
     plan = plan_links(views, graph, now=0.0)
     for pair, op in plan.link:
         graph.record_link(pair, LinkResult(op, True, "", 0.0), now=0.0, observed=plan.observed[pair])
-    status = build_status("llm", "ns", 3, spec, views, graph, plan, {}, NOW)
+    status = status_of(3, spec, views, graph, plan, {}, NOW)
     assert status["observedGeneration"] == 3
-    assert status["prefill"] == {"replicas": 1, "ready": 1, "linked": 1, "draining": 0}
+    assert status["prefill"] == {"replicas": 1, "updated": 1, "ready": 1, "linked": 1, "draining": 0}
     assert status["links"] == {"desired": 1, "established": 1, "failed": 0}
     assert (status["prefillReady"], status["decodeReady"], status["linksSummary"]) == ("1/1", "1/1", "1/1")
     assert conditions(status) == {"Available": ("True", "Serving"), "Progressing": ("False", "Converged"),
                                   "Degraded": ("False", "AsExpected"), "LinksReady": ("True", "AllLinked")}
     assert status["endpoint"] == "http://llm.ns.svc:8000/v1"
     # Unchanged conditions keep their transition time.
-    again = build_status("llm", "ns", 3, spec, views, graph, plan, status, "2025-01-01T01:00:00Z")
+    again = status_of(3, spec, views, graph, plan, status, "2025-01-01T01:00:00Z")
     assert again == status
 
 
@@ -46,7 +52,7 @@ def test_link_failures_and_layout_mismatches_are_degraded_with_reasons(
     ((pair, op),) = plan.link
     graph.record_link(pair, LinkResult(op, False, "UNAVAILABLE: connection refused", 0.0), now=0.0,
                       observed=plan.observed[pair])
-    status = build_status("llm", "ns", 1, spec, views, graph, plan, {}, NOW)
+    status = status_of(1, spec, views, graph, plan, {}, NOW)
     c = conditions(status)
     assert c["Degraded"] == ("True", "LinkFailed") and c["LinksReady"] == ("False", "LinkFailed")
     assert c["Available"] == ("False", "NoReadyPrefill")
@@ -55,6 +61,8 @@ def test_link_failures_and_layout_mismatches_are_degraded_with_reasons(
 
     views.append(pod_view(served_pod("decode", "d2", "127.0.0.22", make_spec(blockSize=32))))
     plan = plan_links(views, graph, now=10.0)
-    c = conditions(build_status("llm", "ns", 2, spec, views, graph, plan, {}, NOW))
+    c = conditions(status_of(2, spec, views, graph, plan, {}, NOW))
     assert c["Degraded"] == ("True", "LayoutMismatch")
-    assert c["Progressing"] == ("True", "Scaling")  # two decodes for one desired
+    # d2 was made from another spec: it is rolled away (the template hash tells).
+    assert c["Progressing"] == ("True", "RollingUpdate")
+    assert status_of(2, spec, views, graph, plan, {}, NOW)["decode"]["updated"] == 1
