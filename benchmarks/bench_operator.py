@@ -62,8 +62,8 @@ class Recorder(disagg_pd_pb2_grpc.DisaggPDServiceServicer):
 
 
 def view(role: str, i: int, ip: str) -> PodView:
-    return PodView(name=f"{role}-{i}", uid=f"u-{role}-{i}", role=role, layout="L", template="T", ip=ip, phase="Running",
-                   running=True, containers_ready=True, gate=False, restarts=0, deleting=False,
+    return PodView(name=f"{role}-{i}", uid=f"u-{role}-{i}", role=role, layout="L", template="T", ip=ip,
+                   phase="Running", running=True, containers_ready=True, gate=False, restarts=0, deleting=False,
                    draining_since=None, created="")
 
 

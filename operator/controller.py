@@ -121,7 +121,6 @@ class ClusterController:
         return self.deps.settings.worker_pod_security_context, self.deps.settings.worker_security_context
 
     async def _scale(self, spec: ClusterSpec, templates: Mapping[str, str]) -> None:
-        load: dict[str, float] = {}
         candidates = [v for vs in surplus(spec, self.views).values() for v in vs if v.ip]
         counts = await asyncio.gather(*(in_flight(self.deps.http, v.ip) for v in candidates))
         load = {v.name: c for v, c in zip(candidates, counts) if c is not None}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -338,8 +339,6 @@ async def test_engine_errors_reach_the_consumers(async_engine: AsyncEngine) -> N
 
 
 async def test_call_runs_on_the_engine_thread_and_returns_or_raises(async_engine: AsyncEngine) -> None:
-    import threading
-
     # Between steps of a running request: the call sees the engine's own state.
     params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
     stream = async_engine.generate("busy", prompts(1, [5])[0], params)

@@ -7,7 +7,16 @@ from typing import Any
 
 from disagg.operator import manifests as m
 from disagg.operator.links import Endpoint, LinkGraph, LinkOp, LinkResult
-from disagg.operator.reconcile import PodPlan, PodView, plan_gates, plan_links, plan_pods, pod_view, surplus, with_loaded
+from disagg.operator.reconcile import (
+    PodPlan,
+    PodView,
+    plan_gates,
+    plan_links,
+    plan_pods,
+    pod_view,
+    surplus,
+    with_loaded,
+)
 from disagg.operator.spec import ClusterSpec, parse_spec
 
 Pod = Callable[..., dict[str, Any]]
@@ -77,12 +86,13 @@ def test_scale_down_drains_the_least_busy_and_prefers_outdated_layouts(make_spec
     assert pods_plan(spec, draining).empty
 
 
-def test_a_template_change_rolls_one_pod_at_a_time_never_below_replicas(served_pod: Pod) -> None:
-    def spec_of(*decode_args: str) -> ClusterSpec:
-        return parse_spec({"model": {"source": "m"}, "prefill": {"replicas": 1},
-                           "decode": {"replicas": 2, "args": list(decode_args)}})
+def spec_with_decode_args(*args: str, decode: int = 1) -> ClusterSpec:
+    return parse_spec({"model": {"source": "m"}, "prefill": {"replicas": 1},
+                       "decode": {"replicas": decode, "args": list(args)}})
 
-    old, new = spec_of(), spec_of("--seed", "7")
+
+def test_a_template_change_rolls_one_pod_at_a_time_never_below_replicas(served_pod: Pod) -> None:
+    old, new = spec_with_decode_args(decode=2), spec_with_decode_args("--seed", "7", decode=2)
     pods = {"p": served_pod("prefill", "p", "127.0.0.9", new, gate=True),
             "a": served_pod("decode", "a", "127.0.0.2", old, gate=True, created="2025-01-01T00:00:01Z"),
             "b": served_pod("decode", "b", "127.0.0.3", old, gate=True, created="2025-01-01T00:00:02Z")}
@@ -109,13 +119,8 @@ def test_a_template_change_rolls_one_pod_at_a_time_never_below_replicas(served_p
     assert step().empty
 
 
-def make_spec_with_seed(seed: str | None) -> ClusterSpec:
-    args = ["--seed", seed] if seed else []
-    return parse_spec({"model": {"source": "m"}, "decode": {"args": args}})
-
-
 def test_an_outdated_pod_that_does_not_serve_goes_without_waiting(served_pod: Pod) -> None:
-    old, new = make_spec_with_seed(None), make_spec_with_seed("7")
+    old, new = spec_with_decode_args(), spec_with_decode_args("--seed", "7")
     views = views_of(served_pod("prefill", "p", "127.0.0.9", new, gate=True),
                      served_pod("decode", "crashing", "127.0.0.2", old, ready=False),
                      served_pod("decode", "fresh", "127.0.0.3", new, ready=False))

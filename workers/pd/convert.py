@@ -63,8 +63,8 @@ _EXTRA_DEFAULTS = {"seed": None, "min_p": 0.0}
 def sampling_extras_metadata(reqs: Sequence[NewRequest]) -> tuple[tuple[str, str], ...]:
     extras = {}
     for r in reqs:
-        fields = {name: getattr(r.params, name) for name, default in _EXTRA_DEFAULTS.items()
-                  if getattr(r.params, name) != default}  # fmt: skip
+        fields = {name: value for name, default in _EXTRA_DEFAULTS.items()
+                  if (value := getattr(r.params, name)) != default}  # fmt: skip
         if fields:
             extras[r.req_id] = fields
     return ((SAMPLING_EXTRAS_KEY, json.dumps(extras)),) if extras else ()
