@@ -15,7 +15,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from disagg.workers.transfer import KVLayout
+from disagg.workers.transfer import KVLayout, KVTransport
 
 PEER_SCRIPT = Path(__file__).with_name("peer.py")
 PEER_START_TIMEOUT_S = 60.0  # importing torch on a busy 2-core machine is slow
@@ -30,13 +30,29 @@ def _peer_module() -> ModuleType:
     return module
 
 
-_seeded_pool: Callable[[KVLayout, int], torch.Tensor] = _peer_module().seeded_pool
+_PEER = _peer_module()
+_seeded_pool: Callable[[KVLayout, int], torch.Tensor] = _PEER.seeded_pool
+_make_transport: Callable[..., KVTransport] = _PEER.make_transport
 
 
 @pytest.fixture
 def layout() -> KVLayout:
     """The small layout every transfer test peer uses."""
     return LAYOUT
+
+
+@pytest.fixture
+def transport_factory() -> Iterator[Callable[..., KVTransport]]:
+    """`make_transport` of peer.py (registered names, and "gloo"); closes what it made after the test."""
+    made: list[KVTransport] = []
+
+    def make(name: str, pool: torch.Tensor, layout: KVLayout, instance: str, **options: object) -> KVTransport:
+        made.append(_make_transport(name, pool, layout, instance, **options))
+        return made[-1]
+
+    yield make
+    for transport in made:
+        transport.close()
 
 
 @pytest.fixture

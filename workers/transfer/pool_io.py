@@ -120,6 +120,15 @@ class PoolIO:
             for view in views:
                 hasher.update(view)
 
+    def discard(self, sock: socket.socket, segments: Sequence[tuple[int, int, int]]) -> None:
+        """Read and drop the segments' bytes (a refused frame's payload)."""
+        size = sum(count for _, _, count in segments) * self._block_bytes
+        scratch = memoryview(bytearray(min(size, BATCH_BYTES)))
+        while size > 0:
+            take = min(size, len(scratch))
+            recv_into_views(sock, [scratch[:take]])
+            size -= take
+
     # ---- CUDA pools: double-buffered pinned staging ----------------------------
 
     def _send_staged(self, sock: socket.socket, spans: list[Span], hasher: Hasher,

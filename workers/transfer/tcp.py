@@ -84,6 +84,9 @@ class PayloadIO(Protocol):
 
     def recv(self, sock: socket.socket, segments: Sequence[tuple[int, int, int]], hasher: Hasher) -> None: ...
 
+    def discard(self, sock: socket.socket, segments: Sequence[tuple[int, int, int]]) -> None:
+        """Consume the payload of a refused frame without storing it, keeping the link in step."""
+
 
 class _Connection:
     """One socket of a session, with its reader and sender threads."""
@@ -190,7 +193,8 @@ class _Connection:
             if error is None:
                 error = self._recv_kv(frame)
             else:
-                self._drain(frame.payload_bytes + TRAILER.size)
+                self.payload.discard(self.sock, payload_segments(frame, "dst"))
+                recv_exact(self.sock, TRAILER.size)
             self._send_control(Kind.ERROR if error else Kind.ACK, frame.request_id, error or "")
         elif frame.kind == Kind.READ:
             error = range_error(frame, layout.num_layers, layout.num_blocks, "src")
@@ -241,14 +245,6 @@ class _Connection:
             logger.warning("answer for unknown request %d from %s", request_id, self.peer.name)
             return
         handle.part_done(error)
-
-    def _drain(self, size: int) -> None:
-        scratch = memoryview(bytearray(min(size, 1 << 20)))
-        while size > 0:
-            n = self.sock.recv_into(scratch[: min(size, len(scratch))])
-            if n == 0:
-                raise ConnectionError("peer closed the transfer connection")
-            size -= n
 
     # ---- shutdown ------------------------------------------------------------
 
