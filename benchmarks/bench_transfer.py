@@ -176,13 +176,16 @@ def interleaved(runs: dict[str, Callable[[], None]], repeats: int,
 
 def memcpy_run(layout: KVLayout, src: torch.Tensor, runs: list[BlockRun]) -> Callable[[], None]:
     dst = torch.zeros_like(src)
+    # Addresses computed once, as our transport does per frame: the loop times the copies, not KVLayout.
+    block_bytes, layer_bytes = layout.block_bytes, layout.layer_bytes
+    copies = [(dst.data_ptr() + layer * layer_bytes + r.dst * block_bytes,
+               src.data_ptr() + layer * layer_bytes + r.src * block_bytes, r.count * block_bytes)
+              for layer in range(layout.num_layers) for r in runs]
 
     def run() -> None:
-        base_src, base_dst = src.data_ptr(), dst.data_ptr()
-        for layer in range(layout.num_layers):
-            for r in runs:
-                ctypes.memmove(base_dst + layout.block_offset(layer, r.dst),
-                               base_src + layout.block_offset(layer, r.src), r.count * layout.block_bytes)
+        assert dst.numel(), "the closure keeps `dst` (only its address is in `copies`) alive"
+        for to, from_, size in copies:
+            ctypes.memmove(to, from_, size)
 
     return run
 
