@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from disagg.workers.transfer import KVLayout, KVTransport, LinkRefusedError, TransferError, TransferHandle
+from disagg.workers.transfer import KVLayout, KVTransport, LinkRefusedError, TransferError, TransferHandle, TransferSession
 from disagg.workers.transfer.base import BlockRun
 
 WAIT_S = 60.0
@@ -28,16 +28,30 @@ TransportFactory = Callable[..., KVTransport]
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
 
 
-def test_push_every_layer_lands_in_the_peer_pool(
+Link = tuple[torch.Tensor, TransferSession, Peer]  # (this side's pool, its session, the decode peer)
+
+
+@pytest.fixture
+def gloo_link(
     layout: KVLayout, peer_factory: Callable[..., Peer], transport_factory: TransportFactory,
-    seeded_pool: SeededPool, tmp_path: Path,
-) -> None:
-    source = seeded_pool(layout, 21)
-    prefill = transport_factory("gloo", source, layout, "prefill-c")
-    address = prefill.start("127.0.0.1", 0)
-    decode = peer_factory("connect", layout, "decode-c", "--address", address, "--transport", "gloo")
-    assert decode.first_line == "linked prefill-c"
-    session = prefill.session("decode-c", timeout=WAIT_S)
+    seeded_pool: SeededPool,
+) -> Callable[[int], Link]:
+    """This process as the prefill over the pool of a seed; a decode peer process (zero pool) links to it."""
+
+    def link(seed: int) -> Link:
+        source = seeded_pool(layout, seed)
+        prefill = transport_factory("gloo", source, layout, "prefill")
+        address = prefill.start("127.0.0.1", 0)
+        decode = peer_factory("connect", layout, "decode", "--address", address, "--transport", "gloo")
+        assert decode.first_line == "linked prefill"
+        return source, prefill.session("decode", timeout=WAIT_S), decode
+
+    return link
+
+
+def test_push_every_layer_lands_in_the_peer_pool(layout: KVLayout, gloo_link: Callable[[int], Link],
+                                                 tmp_path: Path) -> None:
+    source, session, decode = gloo_link(21)
     rng = random.Random(3)
     for _ in range(2):  # two requests over one communicator: frames and sends stay paired
         src, dst = rng.sample(range(layout.num_blocks), 17), rng.sample(range(layout.num_blocks), 17)
@@ -77,17 +91,11 @@ def test_a_link_with_a_different_layout_is_refused(
         decode.connect(address, timeout=WAIT_S)
 
 
-def test_a_refused_frame_keeps_the_link_in_step(
-    layout: KVLayout, peer_factory: Callable[..., Peer], transport_factory: TransportFactory,
-    seeded_pool: SeededPool, tmp_path: Path,
-) -> None:
+def test_a_refused_frame_keeps_the_link_in_step(layout: KVLayout, gloo_link: Callable[[int], Link],
+                                                tmp_path: Path) -> None:
     # A peer that skips the range check (a bug, another version) sends runs past the pool's end:
     # the receiver must take that payload off the communicator, or every later frame is misread.
-    source = seeded_pool(layout, 29)
-    prefill = transport_factory("gloo", source, layout, "prefill-f")
-    address = prefill.start("127.0.0.1", 0)
-    decode = peer_factory("connect", layout, "decode-f", "--address", address, "--transport", "gloo")
-    session = prefill.session("decode-f", timeout=WAIT_S)
+    source, session, decode = gloo_link(29)
     refused = TransferHandle(1, 0)
     connection = session._conns[0]  # type: ignore[attr-defined]  # below the session's own range check
     connection.submit_write(0, [BlockRun(0, layout.num_blocks - 2, 5)], refused, None)
