@@ -12,8 +12,10 @@ every layer (PUSH: layer by layer, then a flush) and compares with
   ceiling of any transport over the kernel's TCP on this machine.
 
 Besides GB/s it prints the CPU seconds each candidate spent per GB moved, all
-its processes together: on a shared machine the wall-clock figures follow
-the load, this one much less.
+its processes together and then per side (the sender is this process, the
+receivers are its children; on loopback the sender's system calls also run
+the receiving TCP stack): on a shared machine the wall-clock figures follow
+the load, these much less.
 
     .venv/bin/python benchmarks/bench_transfer.py [--repeats 5] [--quick]
         [--block-sizes 16,64] [--layers 8,24] [--variants 1:XXH3,2:XXH3,4:XXH3,2:CRC32,2:NONE]
@@ -155,23 +157,24 @@ class Child:
 
 
 def interleaved(runs: dict[str, Callable[[], None]], repeats: int,
-                cpu_clock: Callable[[], float]) -> dict[str, tuple[float, float]]:
-    """(median seconds, mean CPU seconds) of each run, measured in rounds so that load hits all alike.
+                cpu_clocks: Callable[[], tuple[float, float]]) -> dict[str, tuple[float, float, float]]:
+    """(median seconds, mean sender CPU s, mean receiver CPU s) of each run, in rounds so load hits all alike.
 
     Args:
-        cpu_clock: CPU seconds used so far by every process taking part.
+        cpu_clocks: CPU seconds used so far by (this process: the sender, the child processes: the receivers).
     """
     samples: dict[str, list[float]] = {name: [] for name in runs}
-    cpu: dict[str, float] = dict.fromkeys(runs, 0.0)
+    cpu: dict[str, list[float]] = {name: [0.0, 0.0] for name in runs}
     for round_ in range(repeats + 1):  # round 0 warms up (first touch of pages, connections)
         for name, run in runs.items():
-            cpu_start, start = cpu_clock(), time.perf_counter()
+            cpu_start, start = cpu_clocks(), time.perf_counter()
             run()
-            seconds, cpu_seconds = time.perf_counter() - start, cpu_clock() - cpu_start
+            seconds, cpu_end = time.perf_counter() - start, cpu_clocks()
             if round_:
                 samples[name].append(seconds)
-                cpu[name] += cpu_seconds / repeats
-    return {name: (statistics.median(times), cpu[name]) for name, times in samples.items()}
+                for side in range(2):
+                    cpu[name][side] += (cpu_end[side] - cpu_start[side]) / repeats
+    return {name: (statistics.median(times), cpu[name][0], cpu[name][1]) for name, times in samples.items()}
 
 
 def memcpy_run(layout: KVLayout, src: torch.Tensor, runs: list[BlockRun]) -> Callable[[], None]:
@@ -288,14 +291,14 @@ def bench_layout(layout: KVLayout, repeats: int, variants: list[tuple[int, str]]
             candidates[f"ours tcp conns={conns} {checksum}"] = ours_run(session, layout.num_layers, pairs)
         children = [decode, sink, *([mooncake] if isinstance(mooncake, Child) else [])]
         measured = interleaved(candidates, repeats,
-                               lambda: time.process_time() + sum(child.cpu_seconds() for child in children))
+                               lambda: (time.process_time(), sum(child.cpu_seconds() for child in children)))
     finally:
         decode.stop()
         sink.stop()
         if isinstance(mooncake, Child):
             mooncake.stop()
         prefill.close()
-    rate = {name: nbytes / seconds / 1e9 for name, (seconds, _) in measured.items()}
+    rate = {name: nbytes / seconds / 1e9 for name, (seconds, _, _) in measured.items()}
     print(f"\nblock_size={layout.block_size} ({layout.block_bytes >> 10} KiB/block) layers={layout.num_layers} "
           f"moved={nbytes / 2**20:.0f} MiB per request in {len(runs)} runs/layer")
     if isinstance(mooncake, str):
@@ -304,8 +307,9 @@ def bench_layout(layout: KVLayout, repeats: int, variants: list[tuple[int, str]]
         ratios = f"{gbps / rate['memcpy (1 thread)']:5.2f}x memcpy"
         if "mooncake tcp" in rate:
             ratios += f"  {gbps / rate['mooncake tcp']:5.2f}x mooncake"
-        cpu_per_gb = measured[name][1] / (nbytes / 1e9)
-        print(f"  {name:26s} {gbps:6.2f} GB/s  {ratios}  {cpu_per_gb:5.2f} CPU s/GB")
+        sender, receiver = (cpu_seconds / (nbytes / 1e9) for cpu_seconds in measured[name][1:])
+        print(f"  {name:26s} {gbps:6.2f} GB/s  {ratios}  {sender + receiver:5.2f} CPU s/GB "
+              f"(sender {sender:4.2f}, receiver {receiver:4.2f})")
 
 
 CHILDREN: dict[str, Callable[[KVLayout], None]] = {"decode": child_decode, "sink": child_sink, "mooncake": child_mooncake}
