@@ -8,7 +8,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -45,6 +53,9 @@ class WorkerMetrics:
         self.role = role
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        # The process's CPU, memory and garbage-collector series, as Prometheus clients export by default.
+        ProcessCollector(registry=r)
+        GCCollector(registry=r)
         self.time_to_first_token = Histogram(
             "disagg_time_to_first_token_seconds",
             "Time from a request's arrival to its first output token.",

@@ -26,6 +26,7 @@ from fastapi import FastAPI
 
 from disagg.workers.config import Role, ServerConfig
 from disagg.workers.engine.config import EngineConfig
+from disagg.workers.heap import freeze_startup_heap
 from disagg.workers.http.app import AppState, build_app
 from disagg.workers.http.backend import Backend
 from disagg.workers.metrics import WorkerMetrics
@@ -162,8 +163,10 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig, builde
             return 1
         started.append(worker)
         state.attach(worker.backend)
-        log.info("serving %s as %s on http://%s:%d", worker.backend.model.name, server_config.role.value,
-                 server_config.host, server_config.http_port)  # fmt: skip
+        frozen = freeze_startup_heap()
+        log.info("serving %s as %s on http://%s:%d (%d start-up objects frozen out of the garbage collector's reach)",
+                 worker.backend.model.name, server_config.role.value, server_config.host, server_config.http_port,
+                 frozen)  # fmt: skip
         await http_task
         # HTTP has finished its requests; a decode's requests come over gRPC: let them finish too.
         await _finish_in_flight(worker.backend, server_config.graceful_shutdown_s, http)

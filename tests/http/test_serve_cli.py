@@ -1,15 +1,20 @@
-"""`disagg serve` as a command: bad settings and bad models fail with a reason; metric names."""
+"""`disagg serve` as a command: bad settings and bad models fail with a reason; metric names; the frozen heap."""
 
 from __future__ import annotations
 
+import gc
+import re
 import subprocess
 import sys
+import weakref
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from disagg.workers.heap import freeze_startup_heap
 from disagg.workers.local import free_port
 
 SERVE = [sys.executable, "-m", "disagg.workers", "serve"]
@@ -55,3 +60,35 @@ def test_metrics_carry_every_contract_name(served: Any) -> None:
     missing = [n for n in names if f"\n# TYPE {n.removesuffix('_bucket')}" not in text and f"\n{n}" not in text]
     assert not missing, missing
     assert 'disagg_requests_total{role="mixed",status="ok"}' in text
+    assert 'python_gc_collections_total{generation="2"}' in text and "process_cpu_seconds_total" in text
+
+
+class _Cycle:
+    """An object in a reference cycle: only the cyclic collector can free it."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
+@pytest.fixture
+def unfrozen() -> Iterator[None]:
+    """Give the frozen objects back to the collector after the test (this process goes on testing)."""
+    yield
+    gc.unfreeze()
+
+
+def test_freezing_collects_start_up_garbage_first(unfrozen: None) -> None:
+    garbage = _Cycle()
+    gone = weakref.ref(garbage)
+    del garbage
+    kept = _Cycle()
+    frozen = freeze_startup_heap()
+    assert gone() is None, "a cycle that was already garbage must be freed, not frozen for good"
+    assert frozen == gc.get_freeze_count() > 0
+    assert all(obj is not kept for obj in gc.get_objects()), "a live object leaves the collected generations"
+
+
+def test_a_started_worker_freezes_its_start_up_heap(served: Any) -> None:
+    match = re.search(r"\((\d+) start-up objects frozen", served.log())
+    assert match, served.log()[-2000:]
+    assert int(match.group(1)) > 10_000  # torch, gRPC, FastAPI and the model: far more than this
