@@ -39,6 +39,7 @@ from dataclasses import replace
 
 import torch
 
+from disagg.workers.heap import freeze_startup_heap
 from disagg.workers.transfer import KVLayout, KVTransport, TransferSession, create_transport
 from disagg.workers.transfer.base import BlockRun, merge_runs
 from disagg.workers.transfer.pool_io import host_view
@@ -66,6 +67,7 @@ def child_decode(layout: KVLayout) -> None:
         transports.append(create_transport("tcp", pool, layout, name, name, num_connections=int(conns),
                                            checksums=[ChecksumKind[checksum]]))
         transports[-1].connect(address, timeout=WAIT_S)
+        freeze_startup_heap()  # as a serving worker does
         print("linked", flush=True)
     for transport in transports:
         transport.close()
@@ -290,6 +292,7 @@ def bench_layout(layout: KVLayout, repeats: int, variants: list[tuple[int, str]]
             session = prefill.session(f"decode-{i}", timeout=WAIT_S)
             candidates[f"ours tcp conns={conns} {checksum}"] = ours_run(session, layout.num_layers, pairs)
         children = [decode, sink, *([mooncake] if isinstance(mooncake, Child) else [])]
+        freeze_startup_heap()  # as a serving worker does
         measured = interleaved(candidates, repeats,
                                lambda: (time.process_time(), sum(child.cpu_seconds() for child in children)))
     finally:
