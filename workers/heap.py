@@ -5,7 +5,7 @@ A loaded worker holds hundreds of thousands of long-lived Python objects
 of them with every thread stopped: 130 ms for 240,000 objects on the 2-core
 development VM, several decode steps' worth. Serving alone rarely triggers
 one (none in 51 s of PD load on the demo model), but moving KV blocks at full
-rate churns enough objects to: four in 5 s in bench_transfer's sender, 9% of
+rate churns enough objects to: four in 5 s in bench_transfer's sender, 7-9% of
 its CPU samples. Freezing the start-up objects once the worker serves moves
 them out of the collector's reach, so a full collection only walks what came
 later; what requests allocate is collected as before.
