@@ -74,6 +74,8 @@ def spec_schema() -> Schema:
             "mode": _str("PUSH: the prefill writes each layer as it computes; PULL: the decode reads.",
                          enum=list(s.KV_TRANSFER_MODES), default=s.DEFAULT_KV_MODE),
             "transport": _str("The KV data path.", enum=list(s.KV_TRANSPORTS), default=s.DEFAULT_KV_TRANSPORT),
+            "connections": _int("TCP connections a decode opens per link (default: one per two CPUs of the pod, "
+                                "1 to 4).", 1, s.MAX_KV_CONNECTIONS),
         }, default={}),
         "engine": _obj("Engine settings shared by every worker. Model, dtype and block size form the KV layout.", {
             "blockSize": _int("Tokens per KV block.", 1, 1024, default=s.DEFAULT_BLOCK_SIZE),

@@ -89,6 +89,8 @@ def worker_args(role: str, spec: ClusterSpec) -> list[str]:
     ]
     if e.num_kv_blocks is not None:
         args += ["--num-kv-blocks", str(e.num_kv_blocks)]
+    if spec.kv_transfer.connections is not None:
+        args += ["--kv-connections", str(spec.kv_transfer.connections)]
     return args + list(spec.role(role).args)
 
 

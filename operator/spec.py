@@ -18,6 +18,7 @@ import kopf
 ROLES = ("prefill", "decode")
 KV_TRANSFER_MODES = ("PUSH", "PULL")
 KV_TRANSPORTS = ("tcp", "cuda_ipc", "nccl")
+MAX_KV_CONNECTIONS = 64  # as `disagg serve --kv-connections` accepts
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
@@ -63,6 +64,7 @@ class RoleSpec:
 class KvTransferSpec:
     mode: str
     transport: str
+    connections: int | None  # TCP connections per link; None: the worker's default for its CPUs
 
 
 @dataclass(frozen=True)
@@ -162,6 +164,7 @@ def parse_spec(spec: Mapping[str, Any]) -> ClusterSpec:
         kv_transfer=KvTransferSpec(
             mode=_choice(kv, "mode", KV_TRANSFER_MODES, DEFAULT_KV_MODE, "spec.kvTransfer"),
             transport=_choice(kv, "transport", KV_TRANSPORTS, DEFAULT_KV_TRANSPORT, "spec.kvTransfer"),
+            connections=_int(kv, "connections", None, 1, MAX_KV_CONNECTIONS, "spec.kvTransfer"),
         ),
         engine=EngineSpec(
             block_size=_int(engine, "blockSize", DEFAULT_BLOCK_SIZE, 1, 1024, "spec.engine"),

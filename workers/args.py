@@ -41,6 +41,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                     default=_default(s, "kv_transfer_mode").value, help="default %(default)s")
     kv.add_argument("--kv-transport", choices=[t.value for t in KvTransport],
                     default=_default(s, "kv_transport").value, help="default %(default)s")
+    kv.add_argument("--kv-connections", type=int, default=_default(s, "kv_connections"),
+                    help="TCP connections a decode opens per link (default: one per two usable CPUs, 1 to 4)")
     eng = p.add_argument_group("engine")
     eng.add_argument("--model", required=True,
                      help="a Hugging Face model folder, a GGUF file, or builtin:smollm2-135m")
@@ -84,5 +86,6 @@ def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]
         served_model_name=args.served_model_name,
         kv_transfer_mode=KvTransferMode(args.kv_transfer_mode),
         kv_transport=KvTransport(args.kv_transport),
+        kv_connections=args.kv_connections,
     )
     return engine, server

@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import enum
 import ipaddress
+import math
+import os
 from dataclasses import dataclass
+from pathlib import Path
+
+CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")  # cgroup v2: "<quota> <period>" or "max <period>"
+MAX_KV_CONNECTIONS = 64
 
 
 class Role(str, enum.Enum):
@@ -46,6 +52,9 @@ class ServerConfig:
     served_model_name: str | None = None  # None: the --model source
     kv_transfer_mode: KvTransferMode = KvTransferMode.PUSH
     kv_transport: KvTransport = KvTransport.TCP
+    # TCP connections a decode opens per link (the prefill takes what comes).
+    # None: default_kv_connections().
+    kv_connections: int | None = None
     # Seconds to let in-flight requests finish after SIGTERM before the
     # server closes their connections.
     graceful_shutdown_s: float = 30.0
@@ -67,6 +76,8 @@ class ServerConfig:
             raise ValueError("served_model_name must not be blank")
         if self.graceful_shutdown_s < 0:
             raise ValueError(f"graceful_shutdown_s must be >= 0, got {self.graceful_shutdown_s}")
+        if self.kv_connections is not None and not 1 <= self.kv_connections <= MAX_KV_CONNECTIONS:
+            raise ValueError(f"kv_connections must be between 1 and {MAX_KV_CONNECTIONS}, got {self.kv_connections}")
 
     @property
     def instance_host(self) -> str:
@@ -87,3 +98,24 @@ def _is_wildcard(host: str) -> bool:
         return ipaddress.ip_address(host).is_unspecified
     except ValueError:
         return False
+
+
+def usable_cpus(cpu_max: Path = CGROUP_CPU_MAX) -> int:
+    """CPUs this process may use: its CPU affinity, capped by a cgroup v2 CPU quota (a pod's limit)."""
+    cpus = len(os.sched_getaffinity(0))
+    try:
+        quota, period = cpu_max.read_text().split()
+        limit = math.ceil(int(quota) / int(period))
+    except (OSError, ValueError):  # no cgroup v2 file, "max" (no quota), or unreadable
+        return cpus
+    return max(1, min(cpus, limit))
+
+
+def default_kv_connections(cpus: int | None = None) -> int:
+    """One connection per two usable CPUs, from 1 to 4.
+
+    Each connection streams on its own sender and reader threads: with CPUs to
+    spare, more connections fill a NIC; on 2 CPUs, where one connection keeps
+    both ends busy, more only contend (docs/benchmarks-transfer.md).
+    """
+    return max(1, min(4, (usable_cpus() if cpus is None else cpus) // 2))

@@ -1,8 +1,10 @@
-"""`disagg serve` as a command: bad settings and bad models fail with a reason; metric names; the frozen heap."""
+"""`disagg serve` as a command: bad settings and bad models fail with a reason; defaults that follow the
+machine; metric names; the frozen heap."""
 
 from __future__ import annotations
 
 import gc
+import os
 import re
 import subprocess
 import sys
@@ -14,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
+from disagg.workers.config import default_kv_connections, usable_cpus
 from disagg.workers.heap import freeze_startup_heap
 from disagg.workers.local import free_port
 
@@ -31,6 +34,29 @@ def test_invalid_settings_fail_before_loading() -> None:
     result = _run("--role", "mixed", "--model", "x", "--block-size", "3")
     assert result.returncode == 2
     assert "block_size must be a power of two" in result.stderr
+    result = _run("--role", "decode", "--model", "x", "--kv-connections", "0")
+    assert result.returncode == 2
+    assert "kv_connections must be between 1 and 64" in result.stderr
+
+
+@pytest.mark.parametrize(("cpu_max", "expected"), [
+    (None, "affinity"),  # no cgroup v2 file
+    ("max 100000\n", "affinity"),  # no quota
+    ("150000 100000\n", 2),  # 1.5 CPUs of quota: 2 CPUs run it
+    ("50000 100000\n", 1),
+    ("not a quota\n", "affinity"),
+])  # fmt: skip
+def test_usable_cpus_follow_the_cgroup_quota(tmp_path: Path, cpu_max: str | None, expected: int | str) -> None:
+    path = tmp_path / "cpu.max"
+    if cpu_max is not None:
+        path.write_text(cpu_max)
+    affinity = len(os.sched_getaffinity(0))
+    assert usable_cpus(path) == (affinity if expected == "affinity" else min(affinity, int(expected)))
+
+
+@pytest.mark.parametrize(("cpus", "connections"), [(1, 1), (2, 1), (3, 1), (4, 2), (8, 4), (128, 4)])
+def test_default_kv_connections_is_one_per_two_cpus_up_to_four(cpus: int, connections: int) -> None:
+    assert default_kv_connections(cpus) == connections
 
 
 def test_unknown_role_is_an_argparse_error() -> None:

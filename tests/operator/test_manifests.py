@@ -19,10 +19,17 @@ def test_pod_runs_disagg_serve_with_the_engine_args(spec: ClusterSpec, owner: Ca
     assert args[args.index("--block-size") + 1] == "16"
     assert args[args.index("--host") + 1] == "$(POD_IP)"
     assert "--num-kv-blocks" not in args
+    assert "--kv-connections" not in args, "unset: the worker picks a count for its CPUs"
     assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"http": 8000, "grpc": 7777, "transfer": 26000}
     assert c["env"][0] == {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
     assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
     assert c["lifecycle"]["preStop"]["sleep"]["seconds"] > 0
+
+
+def test_kv_connections_reach_the_worker_args(owner: Callable[..., Any]) -> None:
+    spec = parse_spec({"model": {"source": "m"}, "kvTransfer": {"connections": 8}})
+    args = m.worker_pod(owner(), "decode", "llm-decode-abcde", spec)["spec"]["containers"][0]["args"]
+    assert args[args.index("--kv-connections") + 1] == "8"
 
 
 def test_template_hash_follows_the_pod_spec_not_the_name(owner: Callable[..., Any]) -> None:

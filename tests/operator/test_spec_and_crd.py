@@ -20,7 +20,7 @@ def test_defaults_are_applied() -> None:
     assert s.engine.block_size == DEFAULT_BLOCK_SIZE
     assert s.drain_timeout_s == DEFAULT_DRAIN_TIMEOUT_S
     assert s.model.served_name == "m"
-    assert (s.kv_transfer.mode, s.kv_transfer.transport) == ("PUSH", "tcp")
+    assert (s.kv_transfer.mode, s.kv_transfer.transport, s.kv_transfer.connections) == ("PUSH", "tcp", None)
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -29,6 +29,7 @@ def test_defaults_are_applied() -> None:
     ({"model": {"source": "m"}, "decode": {"replicas": "2"}}, "spec.decode.replicas must be a int"),
     ({"model": {"source": "m"}, "decode": {"replicas": True}}, "spec.decode.replicas must be a int"),
     ({"model": {"source": "m"}, "kvTransfer": {"transport": "rdma"}}, "spec.kvTransfer.transport must be one of"),
+    ({"model": {"source": "m"}, "kvTransfer": {"connections": 0}}, "spec.kvTransfer.connections must be between"),
     ({"model": {"source": "m"}, "engine": {"blockSize": 0}}, "spec.engine.blockSize must be between"),
     ({"model": {"source": "m"}, "prefill": {"args": ["--x", 1]}}, "spec.prefill.args must be a list of strings"),
 ])

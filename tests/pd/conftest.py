@@ -46,9 +46,10 @@ def engine_config(model: Path, **overrides: Any) -> EngineConfig:
     return EngineConfig(**settings)
 
 
-def server_config(role: Role, mode: str = "PUSH") -> ServerConfig:
+def server_config(role: Role, mode: str = "PUSH", connections: int | None = None) -> ServerConfig:
     return ServerConfig(role=role, host="127.0.0.1", http_port=free_port(), grpc_port=free_port(),
-                        transfer_port=free_port(), kv_transfer_mode=KvTransferMode(mode))
+                        transfer_port=free_port(), kv_transfer_mode=KvTransferMode(mode),
+                        kv_connections=connections)
 
 
 @dataclass
@@ -66,8 +67,8 @@ class Pair:
 
 
 async def start_worker(model: Path, role: Role, mode: str = "PUSH", pd: PDConfig | None = None,
-                       **engine: Any) -> tuple[PDWorker, ServerConfig]:
-    config = server_config(role, mode)
+                       connections: int | None = None, **engine: Any) -> tuple[PDWorker, ServerConfig]:
+    config = server_config(role, mode, connections)
     worker = build_worker(engine_config(model, **engine), config, WorkerMetrics(role.value), pd)
     await worker.start()
     return worker, config
@@ -82,9 +83,9 @@ async def stop_worker(worker: PDWorker) -> None:
 def pd_pair(tiny_model_dir: Path) -> Callable[..., contextlib.AbstractAsyncContextManager[Pair]]:
     @contextlib.asynccontextmanager
     async def make(mode: str = "PUSH", link: bool = True, pd: PDConfig | None = None,
-                   **engine: Any) -> AsyncIterator[Pair]:
-        prefill, pc = await start_worker(tiny_model_dir, Role.PREFILL, mode, pd, **engine)
-        decode, dc = await start_worker(tiny_model_dir, Role.DECODE, mode, pd, **engine)
+                   connections: int | None = None, **engine: Any) -> AsyncIterator[Pair]:
+        prefill, pc = await start_worker(tiny_model_dir, Role.PREFILL, mode, pd, connections, **engine)
+        decode, dc = await start_worker(tiny_model_dir, Role.DECODE, mode, pd, connections, **engine)
         channel = grpc.aio.insecure_channel(dc.instance_name)
         pair = Pair(prefill, decode, pc, dc, disagg_pd_pb2_grpc.DisaggPDServiceStub(channel))
         try:

@@ -48,10 +48,11 @@ def free_blocks(pair: Any) -> tuple[int, int]:
     return pair.prefill.role.stats().kv_blocks_free, pair.decode.role.stats().kv_blocks_free
 
 
-@pytest.mark.parametrize("mode", ["PUSH", "PULL"])
-async def test_greedy_outputs_equal_one_engine(pd_pair: Callable[..., Any], mode: str,
+@pytest.mark.parametrize(("mode", "connections"), [("PUSH", 1), ("PUSH", 3), ("PULL", 3)])
+async def test_greedy_outputs_equal_one_engine(pd_pair: Callable[..., Any], mode: str, connections: int,
                                                reference_tokens: Callable[..., list[int]]) -> None:
-    async with pd_pair(mode) as pair:
+    async with pd_pair(mode, connections=connections) as pair:
+        assert pair.decode.role._transport.num_connections == connections  # --kv-connections reaches the link
         for n in PROMPT_LENGTHS:
             got = await collect(pair, f"r{n}", prompt_of(n))
             assert got == reference_tokens(prompt_of(n), GREEDY), f"prompt of {n} tokens"

@@ -17,7 +17,6 @@ class PDConfig:
     # A decode frees reserved blocks whose FirstGeneration has not come after this long.
     reservation_ttl_s: float = 120.0
     max_message_bytes: int = 16 << 20  # a larger gRPC message is refused with RESOURCE_EXHAUSTED
-    num_connections: int = 4  # transfer connections per link
 
     def __post_init__(self) -> None:
         for f in fields(self):

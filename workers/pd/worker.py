@@ -11,7 +11,7 @@ import logging
 
 import grpc
 
-from disagg.workers.config import Role, ServerConfig
+from disagg.workers.config import Role, ServerConfig, default_kv_connections
 from disagg.workers.engine.config import EngineConfig
 from disagg.workers.http.backend import ModelInfo
 from disagg.workers.metrics import WorkerMetrics
@@ -69,8 +69,9 @@ def build_worker(engine_config: EngineConfig, server_config: ServerConfig,
     # The model identity in the layout: two workers link only if they serve the same source.
     layout = KVLayout.of_pool(llm.kv_cache.tensor, engine_config.model)
     name = server_config.instance_name
+    connections = server_config.kv_connections or default_kv_connections()
     transport = create_transport(server_config.kv_transport.value, llm.kv_cache.tensor, layout, name, name,
-                                 num_connections=config.num_connections)  # fmt: skip
+                                 num_connections=connections)  # fmt: skip
     bound = transport.start(server_config.host, server_config.transfer_port)
     transfer_address = f"{server_config.instance_host}:{bound.rpartition(':')[2]}"
     engine = PDAsyncEngine(llm)
