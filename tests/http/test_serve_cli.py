@@ -110,7 +110,8 @@ def test_freezing_collects_start_up_garbage_first(unfrozen: None) -> None:
     kept = _Cycle()
     frozen = freeze_startup_heap()
     assert gone() is None, "a cycle that was already garbage must be freed, not frozen for good"
-    assert frozen == gc.get_freeze_count() > 0
+    # The count only falls after this (frozen objects still die by reference counting, also on other threads).
+    assert frozen > 0 and gc.get_freeze_count() <= frozen
     assert all(obj is not kept for obj in gc.get_objects()), "a live object leaves the collected generations"
 
 
