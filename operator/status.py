@@ -39,7 +39,7 @@ def _role_counts(role: str, views: Sequence[PodView], graph: LinkGraph, plan: Li
     return {
         "replicas": len(active),
         "updated": sum(v.template == template for v in active),
-        "ready": sum(v.containers_ready and v.gate for v in active),
+        "ready": sum(v.serving for v in active),
         "linked": sum(linked(v) for v in active),
         "draining": sum(v.is_draining and not v.is_gone for v in mine),
     }

@@ -100,7 +100,7 @@ class _Connection:
         self.layout = layout
         self.peer = peer
         self.checksum = checksum
-        self.block_bytes = layout.block_bytes  # once: KVLayout computes it with a tensor per call
+        self.block_bytes = layout.block_bytes  # once: a KVLayout property, needed per segment
         self.bytes_sent = 0
         self.bytes_received = 0
         self._on_broken = on_broken
@@ -277,7 +277,7 @@ class TcpSession(TransferSession):
     def __init__(self, peer: PeerInfo, conns: list[_Connection], layout: KVLayout, is_cuda: bool) -> None:
         self.peer = peer
         self.layout = layout
-        self._block_bytes = layout.block_bytes  # once: KVLayout computes it with a tensor per call
+        self._block_bytes = layout.block_bytes  # once: a KVLayout property, needed per segment
         self._conns = conns
         self._is_cuda = is_cuda
         self._pending = PendingTransfers()
