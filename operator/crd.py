@@ -2,8 +2,9 @@
 
 The committed manifest `deploy/crds/disagg.dev_disaggclusters.yaml` is this
 module's output (`python -m disagg.operator.crd > deploy/crds/...`); a test
-keeps the two equal. Defaults and choices come from spec.py, so the schema
-and the operator's parser cannot disagree.
+keeps the two equal. Every scalar field of the spec comes from spec.FIELDS,
+the table parse_spec reads, so the schema and the operator's parser cannot
+disagree on a default, a bound or a choice.
 """
 
 from __future__ import annotations
@@ -28,10 +29,6 @@ def _str(description: str, **extra: Any) -> Schema:
     return {"type": "string", "description": description, **extra}
 
 
-def _int(description: str, lo: int, hi: int, **extra: Any) -> Schema:
-    return {"type": "integer", "format": "int32", "minimum": lo, "maximum": hi, "description": description, **extra}
-
-
 def _obj(description: str, properties: dict[str, Schema], **extra: Any) -> Schema:
     return {"type": "object", "description": description, "properties": properties, **extra}
 
@@ -44,55 +41,72 @@ def _opaque(description: str, kind: str = "object") -> Schema:
     return {"type": "object", "description": description, "x-kubernetes-preserve-unknown-fields": True}
 
 
+def _field(f: s.Field, role: str = "") -> Schema:
+    """One row of spec.FIELDS as a schema node."""
+    node: Schema = {"type": "integer", "format": "int32"} if f.kind is int else {"type": "string"}
+    node["description"] = f.description.replace("{role}", role)
+    if f.bounds is not None:
+        node["minimum"], node["maximum"] = f.bounds
+    if f.choices:
+        node["enum"] = list(f.choices)
+    if f.nonblank:
+        node["pattern"] = r"\S"  # something other than spaces
+    if f.default is not None:
+        node["default"] = f.default
+    return node
+
+
+def _section(description: str, section: str, role: str = "", **extra: Schema) -> Schema:
+    """The table's fields of `section` (then `extra`'s) as an object with a default of {}
+    so that nested defaults apply; one with a required field gets no default."""
+    rows = s.fields(section)
+    required = [f.name for f in rows if f.required]
+    properties = {f.name: _field(f, role) for f in rows} | extra
+    if required:
+        return _obj(description, properties, required=required)
+    return _obj(description, properties, default={})
+
+
 def _role(role: str) -> Schema:
-    return _obj(f"The {role} worker pods.", {
-        "replicas": _int(f"Number of {role} pods.", 0, s.MAX_REPLICAS, default=s.DEFAULT_REPLICAS),
-        "resources": _opaque("Container resources (requests and limits), as in a pod."),
-        "nodeSelector": {"type": "object", "description": "Node labels the pods must match.",
-                         "additionalProperties": {"type": "string"}},
-        "tolerations": _opaque("Pod tolerations.", "array"),
-        "affinity": _opaque("Pod affinity and anti-affinity."),
-        "priorityClassName": _str("Pod priority class."),
-        "env": {"type": "array", "description": "Extra environment variables of the worker container.",
-                "items": {"type": "object", "required": ["name"], "x-kubernetes-preserve-unknown-fields": True,
-                          "properties": {"name": _str("Variable name.", minLength=1)}}},
-        "args": {"type": "array", "description": "Extra `disagg serve` arguments.", "items": {"type": "string"}},
-    }, default={})
+    env_item = {
+        "type": "object",
+        "required": ["name"],
+        "x-kubernetes-preserve-unknown-fields": True,
+        "properties": {"name": _str("Variable name.", minLength=1)},
+    }
+    return _section(
+        f"The {role} worker pods.",
+        "role",
+        role,
+        resources=_opaque("Container resources (requests and limits), as in a pod."),
+        nodeSelector={
+            "type": "object",
+            "description": "Node labels the pods must match.",
+            "additionalProperties": {"type": "string"},
+        },
+        tolerations=_opaque("Pod tolerations.", "array"),
+        affinity=_opaque("Pod affinity and anti-affinity."),
+        env={"type": "array", "description": "Extra environment variables of the worker container.", "items": env_item},
+        args={"type": "array", "description": "Extra `disagg serve` arguments.", "items": {"type": "string"}},
+    )
 
 
 def spec_schema() -> Schema:
-    return _obj("The desired state of a prefill/decode disaggregated serving cluster.", {
-        "model": _obj("The model every worker serves.", {
-            "source": _str("A Hugging Face model folder, a GGUF file, or builtin:NAME.", minLength=1),
-            "servedName": _str("The model name clients send (default: the source)."),
-        }, required=["source"]),
-        "image": _str("The worker image.", default=s.DEFAULT_IMAGE, minLength=1),
-        "imagePullPolicy": _str("The worker image's pull policy.", enum=list(s.PULL_POLICIES), default="IfNotPresent"),
-        "prefill": _role("prefill"),
-        "decode": _role("decode"),
-        "kvTransfer": _obj("How KV caches move from prefill to decode.", {
-            "mode": _str("PUSH: the prefill writes each layer as it computes; PULL: the decode reads.",
-                         enum=list(s.KV_TRANSFER_MODES), default=s.DEFAULT_KV_MODE),
-            "transport": _str("The KV data path.", enum=list(s.KV_TRANSPORTS), default=s.DEFAULT_KV_TRANSPORT),
-            "connections": _int("TCP connections a decode opens per link (default: one per two CPUs of the pod, "
-                                "1 to 4).", 1, s.MAX_KV_CONNECTIONS),
-        }, default={}),
-        "engine": _obj("Engine settings shared by every worker. Model, dtype and block size form the KV layout.", {
-            "blockSize": _int("Tokens per KV block.", 1, 1024, default=s.DEFAULT_BLOCK_SIZE),
-            "dtype": _str("Weights and KV dtype.", enum=list(s.DTYPES), default=s.DEFAULT_DTYPE),
-            "device": _str("Where the model runs.", enum=list(s.DEVICES), default=s.DEFAULT_DEVICE),
-            "maxNumSeqs": _int("Sequences in one batch.", 1, 4096, default=s.DEFAULT_MAX_NUM_SEQS),
-            "numKvBlocks": _int("KV blocks per worker (default: sized from memory).", 1, 1 << 24),
-        }, default={}),
-        "service": _obj("The Service in front of the prefill pods (the client endpoint).", {
-            "type": _str("Service type.", enum=list(s.SERVICE_TYPES), default=s.DEFAULT_SERVICE_TYPE),
-            "port": _int("Service port.", 1, 65535, default=s.DEFAULT_SERVICE_PORT),
-        }, default={}),
-        "drain": _obj("Scale-down draining.", {
-            "timeoutSeconds": _int("How long a removed pod may finish its in-flight requests.",
-                                   0, s.MAX_DRAIN_TIMEOUT_S, default=s.DEFAULT_DRAIN_TIMEOUT_S),
-        }, default={}),
-    }, required=["model"])
+    top = _section(
+        "The desired state of a prefill/decode disaggregated serving cluster.",
+        "",
+        model=_section("The model every worker serves.", "model"),
+        prefill=_role("prefill"),
+        decode=_role("decode"),
+        kvTransfer=_section("How KV caches move from prefill to decode.", "kvTransfer"),
+        engine=_section(
+            "Engine settings shared by every worker. Model, dtype and block size form the KV layout.", "engine"
+        ),
+        service=_section("The Service in front of the prefill pods (the client endpoint).", "service"),
+        drain=_section("Scale-down draining.", "drain"),
+    )
+    del top["default"]  # the spec itself is required, and so is its model
+    return top | {"required": ["model"]}
 
 
 def _role_status(role: str) -> Schema:

@@ -10,7 +10,6 @@ of what it made; it is rebuilt by re-asserting after an operator restart.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import time
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ import grpc
 
 from disagg.operator.manifests import GRPC_PORT, TRANSFER_PORT
 from disagg.proto import disagg_pd_pb2, disagg_pd_pb2_grpc
+from disagg.proto.vocabulary import InstanceInfo
 
 Pair = tuple[str, str]  # (decode pod name, prefill pod name)
 # What the planner saw of a pair's two pods when it tried to link them
@@ -46,15 +46,7 @@ class Endpoint:
 
     def cluster_info(self) -> disagg_pd_pb2.InstanceClusterInfo:
         """One worker rank per pod: each list has one entry."""
-        ip_u32 = int(ipaddress.IPv4Address(self.ip))  # the address as a network-order uint32
-        return disagg_pd_pb2.InstanceClusterInfo(
-            instance_name=self.instance_name,
-            cluster_ids=[ip_u32 << 32 | self.transfer_port],
-            addrs=[f"{self.ip}:{self.transfer_port}"],
-            device_ips=[self.ip],
-            ports=[self.transfer_port],
-            dp_size=1,
-        )
+        return InstanceInfo(self.instance_name, f"{self.ip}:{self.transfer_port}").to_proto()
 
 
 @dataclass(frozen=True)

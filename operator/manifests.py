@@ -13,11 +13,12 @@ from typing import Any, cast
 
 import kopf
 
-from disagg.operator.spec import ROLES, ClusterSpec
+from disagg.operator.crd import GROUP
+from disagg.operator.spec import ROLES, ClusterSpec, flag_values
+from disagg.proto.vocabulary import GRPC_PORT, HTTP_PORT, TRANSFER_PORT
 
 Obj = dict[str, Any]
 
-GROUP = "disagg.dev"
 LINKED_GATE = f"{GROUP}/linked"  # the readiness gate the operator sets once a pod's links are made
 CLUSTER_LABEL = f"{GROUP}/cluster"
 ROLE_LABEL = f"{GROUP}/role"
@@ -27,10 +28,6 @@ LAYOUT_LABEL = f"{GROUP}/kv-layout"
 TEMPLATE_LABEL = f"{GROUP}/pod-template-hash"
 DRAINING_ANNOTATION = f"{GROUP}/draining-since"  # set when scale-down picks a pod; a fact that survives restarts
 
-# Every pod has its own IP, so the ports can be the same in every pod.
-HTTP_PORT = 8000
-GRPC_PORT = 7777
-TRANSFER_PORT = 26000
 CONTAINER = "worker"
 # The preStop pause keeps a terminating worker serving while the operator
 # unlinks it from its peers; endpoints drop it at once, so no new requests come.
@@ -69,28 +66,19 @@ def endpoint(cluster: str, namespace: str, spec: ClusterSpec) -> str:
 
 
 def worker_args(role: str, spec: ClusterSpec) -> list[str]:
-    """`disagg serve`'s arguments; `$(POD_IP)` is expanded by the kubelet."""
-    e = spec.engine
+    """`disagg serve`'s arguments: the pod's own, then the spec's (spec.FIELDS
+    names their flags), then the role's extra ones; `$(POD_IP)` is expanded
+    by the kubelet. Every pod has its own IP, so every pod uses the default ports."""
     args = [
         "--role", role,
-        "--model", spec.model.source,
-        "--served-model-name", spec.model.served_name,
         "--host", "$(POD_IP)",
         "--advertise-host", "$(POD_IP)",
         "--http-port", str(HTTP_PORT),
         "--grpc-port", str(GRPC_PORT),
         "--transfer-port", str(TRANSFER_PORT),
-        "--kv-transfer-mode", spec.kv_transfer.mode,
-        "--kv-transport", spec.kv_transfer.transport,
-        "--device", e.device,
-        "--dtype", e.dtype,
-        "--block-size", str(e.block_size),
-        "--max-num-seqs", str(e.max_num_seqs),
     ]
-    if e.num_kv_blocks is not None:
-        args += ["--num-kv-blocks", str(e.num_kv_blocks)]
-    if spec.kv_transfer.connections is not None:
-        args += ["--kv-connections", str(spec.kv_transfer.connections)]
+    for flag, value in flag_values(spec, role):
+        args += [flag, str(value)]
     return args + list(spec.role(role).args)
 
 

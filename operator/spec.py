@@ -1,9 +1,12 @@
-"""The `DisaggCluster` spec as frozen dataclasses.
+"""The `DisaggCluster` spec as frozen dataclasses, and `FIELDS`, its one field table.
 
-`parse_spec` is the one place that reads the spec dict. The API server's
-schema (crd.py, built from the defaults and choices below) already rejects
-most bad specs; this re-checks what the schema cannot express and raises
-`kopf.PermanentError`, since retrying an invalid spec cannot help.
+Each scalar field is declared once in `FIELDS` (key, type, default, bounds or
+choices, description, worker flag): `parse_spec` reads the spec dict by it,
+crd.py builds the API server's schema from it, and manifests.worker_args the
+worker's command line (`flag_values`). Choices shared with the workers come
+from disagg.proto.vocabulary. The schema already rejects most bad specs;
+parse_spec re-checks, and raises `kopf.PermanentError`, since retrying an
+invalid spec cannot help.
 """
 
 from __future__ import annotations
@@ -15,29 +18,86 @@ from typing import Any
 
 import kopf
 
-ROLES = ("prefill", "decode")
-KV_TRANSFER_MODES = ("PUSH", "PULL")
-KV_TRANSPORTS = ("tcp", "cuda_ipc", "nccl")
-MAX_KV_CONNECTIONS = 64  # as `disagg serve --kv-connections` accepts
-DEVICES = ("auto", "cpu", "cuda")
-DTYPES = ("auto", "float32", "float16", "bfloat16")
+from disagg.proto.vocabulary import (
+    DEVICES,
+    DTYPES,
+    HTTP_PORT,
+    MAX_KV_CONNECTIONS,
+    MAX_PORT,
+    POD_ROLES,
+    TRANSFER_MODES,
+    TRANSPORTS,
+    TransferMode,
+    Transport,
+)
+
+ROLES = POD_ROLES
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+BLOCK_SIZES = tuple(1 << i for i in range(11))  # the engine takes powers of two; up to 1024
 
 # Defaults, written once: the CRD schema publishes them and parse_spec applies them.
 DEFAULT_IMAGE = "ghcr.io/disagg/worker:0.1.0"
 DEFAULT_REPLICAS = 1
 DEFAULT_BLOCK_SIZE = 16
-DEFAULT_DTYPE = "auto"
-DEFAULT_DEVICE = "auto"
-DEFAULT_MAX_NUM_SEQS = 64
-DEFAULT_KV_MODE = "PUSH"
-DEFAULT_KV_TRANSPORT = "tcp"
-DEFAULT_SERVICE_TYPE = "ClusterIP"
-DEFAULT_SERVICE_PORT = 8000
 DEFAULT_DRAIN_TIMEOUT_S = 60
 MAX_REPLICAS = 256
 MAX_DRAIN_TIMEOUT_S = 3600
+
+
+@dataclass(frozen=True)
+class Field:
+    """One scalar field of the spec: what parse_spec, the CRD schema (crd.py)
+    and the worker's command line (manifests.worker_args) read from it."""
+
+    section: str  # the spec key that holds it; "" is the spec itself, "role" each of prefill and decode
+    name: str  # its camelCase key there
+    attr: str  # the attribute it fills in the section's dataclass (ClusterSpec's for "" and "drain")
+    kind: type[int] | type[str]
+    default: int | str | None  # None: unset unless given
+    description: str  # "{role}" is replaced by the role's name
+    bounds: tuple[int, int] | None = None
+    choices: tuple[int | str, ...] = ()
+    flag: str | None = None  # the `disagg serve` flag it becomes; an unset field passes none
+    required: bool = False
+    nonblank: bool = False  # a string with something other than spaces
+
+
+FIELDS: tuple[Field, ...] = (
+    Field("model", "source", "source", str, None, "A Hugging Face model folder, a GGUF file, or builtin:NAME.",
+          flag="--model", required=True, nonblank=True),
+    Field("model", "servedName", "served_name", str, None, "The model name clients send (default: the source).",
+          flag="--served-model-name", nonblank=True),
+    Field("", "image", "image", str, DEFAULT_IMAGE, "The worker image.", nonblank=True),
+    Field("", "imagePullPolicy", "image_pull_policy", str, "IfNotPresent", "The worker image's pull policy.",
+          choices=PULL_POLICIES),
+    Field("role", "replicas", "replicas", int, DEFAULT_REPLICAS, "Number of {role} pods.", bounds=(0, MAX_REPLICAS)),
+    Field("role", "priorityClassName", "priority_class_name", str, None, "Pod priority class."),
+    Field("kvTransfer", "mode", "mode", str, TransferMode.PUSH.value,
+          "PUSH: the prefill writes each layer as it computes; PULL: the decode reads.",
+          choices=TRANSFER_MODES, flag="--kv-transfer-mode"),
+    Field("kvTransfer", "transport", "transport", str, Transport.TCP.value, "The KV data path.",
+          choices=TRANSPORTS, flag="--kv-transport"),
+    Field("kvTransfer", "connections", "connections", int, None,
+          "TCP connections a decode opens per link (default: one per two CPUs of the pod, 1 to 4).",
+          bounds=(1, MAX_KV_CONNECTIONS), flag="--kv-connections"),
+    Field("engine", "blockSize", "block_size", int, DEFAULT_BLOCK_SIZE, "Tokens per KV block (a power of two).",
+          bounds=(BLOCK_SIZES[0], BLOCK_SIZES[-1]), choices=BLOCK_SIZES, flag="--block-size"),
+    Field("engine", "dtype", "dtype", str, "auto", "Weights and KV dtype.", choices=DTYPES, flag="--dtype"),
+    Field("engine", "device", "device", str, "auto", "Where the model runs.", choices=DEVICES, flag="--device"),
+    Field("engine", "maxNumSeqs", "max_num_seqs", int, 64, "Sequences in one batch.", bounds=(1, 4096),
+          flag="--max-num-seqs"),
+    Field("engine", "numKvBlocks", "num_kv_blocks", int, None, "KV blocks per worker (default: sized from memory).",
+          bounds=(1, 1 << 24), flag="--num-kv-blocks"),
+    Field("service", "type", "type", str, "ClusterIP", "Service type.", choices=SERVICE_TYPES),
+    Field("service", "port", "port", int, HTTP_PORT, "Service port.", bounds=(1, MAX_PORT)),
+    Field("drain", "timeoutSeconds", "drain_timeout_s", int, DEFAULT_DRAIN_TIMEOUT_S,
+          "How long a removed pod may finish its in-flight requests.", bounds=(0, MAX_DRAIN_TIMEOUT_S)),
+)
+
+
+def fields(section: str) -> tuple[Field, ...]:
+    return tuple(f for f in FIELDS if f.section == section)
 
 
 @dataclass(frozen=True)
@@ -55,7 +115,7 @@ class RoleSpec:
     node_selector: Mapping[str, str]
     tolerations: tuple[Mapping[str, Any], ...]
     affinity: Mapping[str, Any]
-    priority_class_name: str
+    priority_class_name: str | None
     env: tuple[Mapping[str, Any], ...]
     args: tuple[str, ...]  # extra `disagg serve` arguments
 
@@ -115,18 +175,22 @@ def _get(d: Mapping[str, Any], key: str, kind: type, default: Any, where: str) -
     return value
 
 
-def _choice(d: Mapping[str, Any], key: str, choices: tuple[str, ...], default: str, where: str) -> str:
-    value: str = _get(d, key, str, default, where)
-    if value not in choices:
-        raise kopf.PermanentError(f"{where}.{key} must be one of {list(choices)}, got {value!r}")
+def _value(d: Mapping[str, Any], f: Field, where: str) -> Any:
+    value = _get(d, f.name, f.kind, f.default, where)
+    if value is None:
+        return None
+    if f.bounds is not None and not f.bounds[0] <= value <= f.bounds[1]:
+        raise kopf.PermanentError(f"{where}.{f.name} must be between {f.bounds[0]} and {f.bounds[1]}, got {value}")
+    if f.choices and value not in f.choices:
+        raise kopf.PermanentError(f"{where}.{f.name} must be one of {list(f.choices)}, got {value!r}")
+    if f.nonblank and not value.strip():
+        raise kopf.PermanentError(f"{where}.{f.name} must not be blank")
     return value
 
 
-def _int(d: Mapping[str, Any], key: str, default: int | None, lo: int, hi: int, where: str) -> Any:
-    value = _get(d, key, int, default, where)
-    if value is not None and not lo <= value <= hi:
-        raise kopf.PermanentError(f"{where}.{key} must be between {lo} and {hi}, got {value}")
-    return value
+def _values(d: Mapping[str, Any], section: str, where: str) -> dict[str, Any]:
+    """The table's fields of `section`, read from its dict `d`, by attribute name."""
+    return {f.attr: _value(d, f, where) for f in fields(section)}
 
 
 def _role(d: Mapping[str, Any], where: str) -> RoleSpec:
@@ -134,12 +198,11 @@ def _role(d: Mapping[str, Any], where: str) -> RoleSpec:
     if not all(isinstance(a, str) for a in args):
         raise kopf.PermanentError(f"{where}.args must be a list of strings")
     return RoleSpec(
-        replicas=_int(d, "replicas", DEFAULT_REPLICAS, 0, MAX_REPLICAS, where),
+        **_values(d, "role", where),
         resources=_get(d, "resources", dict, {}, where),
         node_selector=_get(d, "nodeSelector", dict, {}, where),
         tolerations=tuple(_get(d, "tolerations", list, [], where)),
         affinity=_get(d, "affinity", dict, {}, where),
-        priority_class_name=_get(d, "priorityClassName", str, "", where),
         env=tuple(_get(d, "env", list, [], where)),
         args=tuple(args),
     )
@@ -150,32 +213,30 @@ def parse_spec(spec: Mapping[str, Any]) -> ClusterSpec:
     model = _get(spec, "model", dict, None, "spec")
     if model is None or not model.get("source"):
         raise kopf.PermanentError("spec.model.source is required (a model folder, a GGUF file or builtin:NAME)")
-    source: str = _get(model, "source", str, None, "spec.model")
-    engine = _get(spec, "engine", dict, {}, "spec")
-    kv = _get(spec, "kvTransfer", dict, {}, "spec")
-    service = _get(spec, "service", dict, {}, "spec")
-    drain = _get(spec, "drain", dict, {}, "spec")
+    named = _values(model, "model", "spec.model")
+
+    def section(key: str) -> dict[str, Any]:
+        return _values(_get(spec, key, dict, {}, "spec"), key, f"spec.{key}")
+
     return ClusterSpec(
-        model=ModelSpec(source=source, served_name=_get(model, "servedName", str, source, "spec.model")),
-        image=_get(spec, "image", str, DEFAULT_IMAGE, "spec"),
-        image_pull_policy=_choice(spec, "imagePullPolicy", PULL_POLICIES, "IfNotPresent", "spec"),
+        model=ModelSpec(source=named["source"], served_name=named["served_name"] or named["source"]),
+        **_values(spec, "", "spec"),
         prefill=_role(_get(spec, "prefill", dict, {}, "spec"), "spec.prefill"),
         decode=_role(_get(spec, "decode", dict, {}, "spec"), "spec.decode"),
-        kv_transfer=KvTransferSpec(
-            mode=_choice(kv, "mode", KV_TRANSFER_MODES, DEFAULT_KV_MODE, "spec.kvTransfer"),
-            transport=_choice(kv, "transport", KV_TRANSPORTS, DEFAULT_KV_TRANSPORT, "spec.kvTransfer"),
-            connections=_int(kv, "connections", None, 1, MAX_KV_CONNECTIONS, "spec.kvTransfer"),
-        ),
-        engine=EngineSpec(
-            block_size=_int(engine, "blockSize", DEFAULT_BLOCK_SIZE, 1, 1024, "spec.engine"),
-            dtype=_choice(engine, "dtype", DTYPES, DEFAULT_DTYPE, "spec.engine"),
-            device=_choice(engine, "device", DEVICES, DEFAULT_DEVICE, "spec.engine"),
-            max_num_seqs=_int(engine, "maxNumSeqs", DEFAULT_MAX_NUM_SEQS, 1, 4096, "spec.engine"),
-            num_kv_blocks=_int(engine, "numKvBlocks", None, 1, 1 << 24, "spec.engine"),
-        ),
-        service=ServiceSpec(
-            type=_choice(service, "type", SERVICE_TYPES, DEFAULT_SERVICE_TYPE, "spec.service"),
-            port=_int(service, "port", DEFAULT_SERVICE_PORT, 1, 65535, "spec.service"),
-        ),
-        drain_timeout_s=_int(drain, "timeoutSeconds", DEFAULT_DRAIN_TIMEOUT_S, 0, MAX_DRAIN_TIMEOUT_S, "spec.drain"),
+        kv_transfer=KvTransferSpec(**section("kvTransfer")),
+        engine=EngineSpec(**section("engine")),
+        service=ServiceSpec(**section("service")),
+        **section("drain"),
     )
+
+
+def flag_values(spec: ClusterSpec, role: str) -> list[tuple[str, Any]]:
+    """(`disagg serve` flag, value) of every set field that becomes a flag, in table order."""
+    holders: dict[str, object] = {"": spec, "drain": spec, "role": spec.role(role), "model": spec.model,
+                                  "kvTransfer": spec.kv_transfer, "engine": spec.engine, "service": spec.service}
+    out = []
+    for f in FIELDS:
+        value = getattr(holders[f.section], f.attr)
+        if f.flag is not None and value is not None:
+            out.append((f.flag, value))
+    return out

@@ -9,8 +9,9 @@ import argparse
 import dataclasses
 from typing import Any
 
-from disagg.workers.config import KvTransferMode, KvTransport, Role, ServerConfig
-from disagg.workers.engine.config import DEVICES, DTYPES, EngineConfig
+from disagg.proto.vocabulary import DEVICES, DTYPES, TRANSFER_MODES, TRANSPORTS
+from disagg.workers.config import Role, ServerConfig, TransferMode, Transport
+from disagg.workers.engine.config import EngineConfig
 
 
 def _default(cls: type, name: str) -> Any:
@@ -37,9 +38,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     role.add_argument("--served-model-name", default=_default(s, "served_model_name"),
                       help="the model name clients send (default: the --model source)")
     kv = p.add_argument_group("KV transfer (prefill and decode roles)")
-    kv.add_argument("--kv-transfer-mode", choices=[m.value for m in KvTransferMode],
+    kv.add_argument("--kv-transfer-mode", choices=TRANSFER_MODES,
                     default=_default(s, "kv_transfer_mode").value, help="default %(default)s")
-    kv.add_argument("--kv-transport", choices=[t.value for t in KvTransport],
+    kv.add_argument("--kv-transport", choices=TRANSPORTS,
                     default=_default(s, "kv_transport").value, help="default %(default)s")
     kv.add_argument("--kv-connections", type=int, default=_default(s, "kv_connections"),
                     help="TCP connections a decode opens per link (default: one per two usable CPUs, 1 to 4)")
@@ -84,8 +85,8 @@ def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]
         grpc_port=args.grpc_port,
         transfer_port=args.transfer_port,
         served_model_name=args.served_model_name,
-        kv_transfer_mode=KvTransferMode(args.kv_transfer_mode),
-        kv_transport=KvTransport(args.kv_transport),
+        kv_transfer_mode=TransferMode(args.kv_transfer_mode),
+        kv_transport=Transport(args.kv_transport),
         kv_connections=args.kv_connections,
     )
     return engine, server

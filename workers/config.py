@@ -7,32 +7,26 @@ from the command line.
 
 from __future__ import annotations
 
-import enum
 import ipaddress
 import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from disagg.proto.vocabulary import (
+    GRPC_PORT,
+    HTTP_PORT,
+    MAX_KV_CONNECTIONS,
+    MAX_PORT,
+    TRANSFER_PORT,
+    Role,
+    TransferMode,
+    Transport,
+)
+
+__all__ = ["Role", "ServerConfig", "TransferMode", "Transport", "default_kv_connections", "usable_cpus"]
+
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")  # cgroup v2: "<quota> <period>" or "max <period>"
-MAX_KV_CONNECTIONS = 64
-
-
-class Role(str, enum.Enum):
-    PREFILL = "prefill"
-    DECODE = "decode"
-    MIXED = "mixed"  # prefill and decode in one process, no KV transfer
-
-
-class KvTransferMode(str, enum.Enum):
-    PUSH = "PUSH"  # the prefill writes each layer's KV into the decode's blocks
-    PULL = "PULL"  # the decode reads the KV from the prefill inside FirstGeneration
-
-
-class KvTransport(str, enum.Enum):
-    TCP = "tcp"
-    CUDA_IPC = "cuda_ipc"
-    NCCL = "nccl"
 
 
 @dataclass(frozen=True)
@@ -46,12 +40,12 @@ class ServerConfig:
     # or loopback when `host` is a wildcard (a single-machine setup; pods
     # pass their IP).
     advertise_host: str | None = None
-    http_port: int = 8000
-    grpc_port: int = 7777
-    transfer_port: int = 26000
+    http_port: int = HTTP_PORT
+    grpc_port: int = GRPC_PORT
+    transfer_port: int = TRANSFER_PORT
     served_model_name: str | None = None  # None: the --model source
-    kv_transfer_mode: KvTransferMode = KvTransferMode.PUSH
-    kv_transport: KvTransport = KvTransport.TCP
+    kv_transfer_mode: TransferMode = TransferMode.PUSH
+    kv_transport: Transport = Transport.TCP
     # TCP connections a decode opens per link (the prefill takes what comes).
     # None: default_kv_connections().
     kv_connections: int | None = None
@@ -62,8 +56,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         for name in ("http_port", "grpc_port", "transfer_port"):
             port = getattr(self, name)
-            if not 1 <= port <= 65535:
-                raise ValueError(f"{name} must be between 1 and 65535, got {port}")
+            if not 1 <= port <= MAX_PORT:
+                raise ValueError(f"{name} must be between 1 and {MAX_PORT}, got {port}")
         ports = {self.http_port, self.grpc_port, self.transfer_port}
         if len(ports) != 3:
             raise ValueError(

@@ -6,7 +6,7 @@ can live in one process (tests) without clashing in the global registry.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CollectorRegistry,
@@ -19,6 +19,9 @@ from prometheus_client import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+if TYPE_CHECKING:
+    from disagg.workers.engine.async_engine import EngineStats
+
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 # Seconds; from a tiny model on a GPU to a long prompt on a CPU.
@@ -27,23 +30,13 @@ _TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 
 _TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
-class RequestStatus:
-    """Values of the `status` label of disagg_requests_total."""
+class RequestOutcome:
+    """Values of the `status` label of disagg_requests_total (not the engine's RequestStatus)."""
 
     OK = "ok"  # finished by a stop condition or max_tokens
     REJECTED = "rejected"  # bad input, answered with a 4xx
     ABORTED = "aborted"  # the client went away or the engine aborted it
     ERROR = "error"  # the server failed it
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot of the engine's load, for the gauges and for routing."""
-
-    kv_blocks_total: int
-    kv_blocks_free: int
-    requests_running: int
-    requests_waiting: int
 
 
 class WorkerMetrics:
@@ -98,7 +91,7 @@ class WorkerMetrics:
         self.links = Gauge("disagg_links", "Prefill/decode links this worker holds.", registry=r)
         self.draining = Gauge("disagg_draining", "1 while the worker drains (POST /drain), else 0.", registry=r)
         # Every outcome shows as 0 from the start, so rate() works at once.
-        for status in (RequestStatus.OK, RequestStatus.REJECTED, RequestStatus.ABORTED, RequestStatus.ERROR):
+        for status in (RequestOutcome.OK, RequestOutcome.REJECTED, RequestOutcome.ABORTED, RequestOutcome.ERROR):
             self.requests.labels(role=role, status=status)
 
     def count_request(self, status: str) -> None:

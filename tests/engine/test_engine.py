@@ -261,7 +261,7 @@ async def wait_for_free_blocks(engine: AsyncEngine) -> EngineStats:
     """The pool is whole once the engine thread has processed every abort."""
     for _ in range(200):
         stats = engine.stats()
-        if stats.num_blocks_free == stats.num_blocks_total and stats.num_running + stats.num_waiting == 0:
+        if stats.kv_blocks_free == stats.kv_blocks_total and stats.requests_running + stats.requests_waiting == 0:
             return stats
         await asyncio.sleep(0.05)
     raise AssertionError(f"blocks were not freed: {engine.stats()}")

@@ -24,14 +24,14 @@ import pytest
 import torch
 
 from disagg.proto import disagg_pd_pb2_grpc
-from disagg.workers.config import KvTransferMode, Role, ServerConfig
+from disagg.proto.vocabulary import InstanceInfo
+from disagg.workers.config import Role, ServerConfig, TransferMode
 from disagg.workers.engine.config import EngineConfig
 from disagg.workers.engine.llm_engine import LLMEngine
 from disagg.workers.engine.sampling_params import SamplingParams
 from disagg.workers.local import WorkerProcess, free_port, spawn_worker
 from disagg.workers.metrics import WorkerMetrics
 from disagg.workers.pd.config import PDConfig
-from disagg.workers.pd.links import InstanceInfo
 from disagg.workers.pd.worker import PDWorker, build_worker
 
 torch.set_num_threads(1)
@@ -48,7 +48,7 @@ def engine_config(model: Path, **overrides: Any) -> EngineConfig:
 
 def server_config(role: Role, mode: str = "PUSH", connections: int | None = None) -> ServerConfig:
     return ServerConfig(role=role, host="127.0.0.1", http_port=free_port(), grpc_port=free_port(),
-                        transfer_port=free_port(), kv_transfer_mode=KvTransferMode(mode),
+                        transfer_port=free_port(), kv_transfer_mode=TransferMode(mode),
                         kv_connections=connections)
 
 

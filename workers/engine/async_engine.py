@@ -38,12 +38,13 @@ class EngineError(RuntimeError):
 
 @dataclass(frozen=True)
 class EngineStats:
-    """A snapshot for the metrics gauges."""
+    """A snapshot of the engine's load, for routing, draining and the metrics
+    gauges (the first four fields are named after the gauges they set)."""
 
-    num_blocks_total: int
-    num_blocks_free: int
-    num_running: int
-    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    requests_running: int
+    requests_waiting: int
     num_preemptions: int
 
 
@@ -179,10 +180,10 @@ class AsyncEngine(Generic[E]):
     def stats(self) -> EngineStats:
         engine = self.engine
         return EngineStats(
-            num_blocks_total=engine.num_total_blocks,
-            num_blocks_free=engine.num_free_blocks,
-            num_running=engine.num_running,
-            num_waiting=engine.num_waiting,
+            kv_blocks_total=engine.num_total_blocks,
+            kv_blocks_free=engine.num_free_blocks,
+            requests_running=engine.num_running,
+            requests_waiting=engine.num_waiting,
             num_preemptions=engine.scheduler.num_preemptions,
         )
 

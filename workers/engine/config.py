@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from disagg.proto.vocabulary import DEVICES, DTYPES
+
 # NOTE: torch is imported where it is used, so that the CLI (`disagg --help`)
 # can read these choices and defaults without loading it.
 if TYPE_CHECKING:
     import torch
 
-DEVICES = ("auto", "cpu", "cuda")
-DTYPES = ("auto", "float32", "bfloat16", "float16")  # "auto": float32 on a CPU, bfloat16 on CUDA
 # Without a block count or a budget, the KV pool takes this much memory on a CPU.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 # ...and this fraction of the free memory left on a GPU after the weights load.

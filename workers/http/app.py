@@ -23,7 +23,7 @@ from disagg.workers.http.fanout import ClientDisconnected
 from disagg.workers.http.prepare import prepare_chat, prepare_completion
 from disagg.workers.http.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, random_id
 from disagg.workers.http.serving import Call, OpenAIServing
-from disagg.workers.metrics import CONTENT_TYPE, RequestStatus, WorkerMetrics
+from disagg.workers.metrics import CONTENT_TYPE, RequestOutcome, WorkerMetrics
 
 # Answer to a request whose client has gone away (nginx's convention); no one reads it.
 _CLIENT_CLOSED = 499
@@ -136,7 +136,7 @@ async def _answer(state: AppState, body: CompletionRequest | ChatCompletionReque
         else:
             prepared = prepare_completion(body, backend.model, backend.tokenizer)
     except APIError:
-        state.metrics.count_request(RequestStatus.REJECTED)
+        state.metrics.count_request(RequestOutcome.REJECTED)
         raise
     call = Call(
         "chat" if is_chat else "completion", random_id("chatcmpl" if is_chat else "cmpl"), backend.model.name, prepared,

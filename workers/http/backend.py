@@ -14,10 +14,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
-from disagg.workers.metrics import EngineStats
-
 if TYPE_CHECKING:
-    from disagg.workers.engine.async_engine import AsyncEngine
+    from disagg.workers.engine.async_engine import AsyncEngine, EngineStats
     from disagg.workers.engine.config import EngineConfig
     from disagg.workers.engine.llm_engine import LLMEngine
     from disagg.workers.engine.outputs import RequestOutput
@@ -133,8 +131,7 @@ class EngineBackend(Generic[E]):
         self._draining = draining
 
     def stats(self) -> EngineStats:
-        s = self._engine.stats()
-        return EngineStats(s.num_blocks_total, s.num_blocks_free, s.num_running, s.num_waiting)
+        return self._engine.stats()
 
     def close(self) -> None:
         self._engine.shutdown()

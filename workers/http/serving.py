@@ -36,7 +36,7 @@ from disagg.workers.http.protocol import (
     ErrorResponse,
     UsageInfo,
 )
-from disagg.workers.metrics import RequestStatus, WorkerMetrics
+from disagg.workers.metrics import RequestOutcome, WorkerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ class OpenAIServing:
         self, call: Call, choices: list[Choice], wait_disconnect: Callable[[], Awaitable[None]] | None
     ) -> AsyncGenerator[tuple[Choice, RequestOutput], None]:
         """The merged deltas of every choice, with metrics recorded at the end."""
-        status = RequestStatus.ERROR
+        status = RequestOutcome.ERROR
         self.metrics.count_prompt_tokens(call.num_prompt_tokens)
         p = call.prepared
         try:
@@ -121,12 +121,12 @@ class OpenAIServing:
                     choices[i].add(out, time.monotonic())
                     yield choices[i], out
             aborted = any(c.finish_reason == "abort" for c in choices)
-            status = RequestStatus.ABORTED if aborted else RequestStatus.OK
+            status = RequestOutcome.ABORTED if aborted else RequestOutcome.OK
         except (ClientDisconnected, GeneratorExit, asyncio.CancelledError):
-            status = RequestStatus.ABORTED
+            status = RequestOutcome.ABORTED
             raise
         except ValueError as exc:  # the backend refused the request: the client's mistake
-            status = RequestStatus.REJECTED
+            status = RequestOutcome.REJECTED
             raise BadRequest(str(exc)) from exc
         finally:
             self._record(call, choices, status)

@@ -10,15 +10,15 @@ import argparse
 import asyncio
 import sys
 
-DEFAULT_TRANSFER_PORT = 26000  # `disagg serve --transfer-port`'s default
+from disagg.proto.vocabulary import TRANSFER_PORT, InstanceInfo
 
 
 def add_link_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode", required=True, metavar="HOST:GRPC", help="the decode's DisaggPDService")
     p.add_argument("--prefill", required=True, metavar="HOST:GRPC", help="the prefill's DisaggPDService")
-    p.add_argument("--prefill-transfer-port", type=int, default=DEFAULT_TRANSFER_PORT,
+    p.add_argument("--prefill-transfer-port", type=int, default=TRANSFER_PORT,
                    help="the prefill's --transfer-port (default %(default)s)")
-    p.add_argument("--decode-transfer-port", type=int, default=DEFAULT_TRANSFER_PORT,
+    p.add_argument("--decode-transfer-port", type=int, default=TRANSFER_PORT,
                    help="the decode's --transfer-port, for unlink (default %(default)s)")
     p.add_argument("--timeout", type=float, default=15.0, help="deadline of each call, seconds")
 
@@ -28,7 +28,6 @@ async def _call(target: str, method: str, instance: str, transfer_port: int, tim
     import grpc
 
     from disagg.proto import disagg_pd_pb2_grpc
-    from disagg.workers.pd.links import InstanceInfo
 
     host = instance.rpartition(":")[0]
     info = InstanceInfo(instance, f"{host}:{transfer_port}")

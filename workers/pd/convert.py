@@ -7,11 +7,11 @@ it to INVALID_ARGUMENT.
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import json
 from collections.abc import Iterable, Sequence
 
 from disagg.proto import disagg_pd_pb2 as pb
+from disagg.proto.vocabulary import cluster_id, rank0_transfer_address
 from disagg.workers.engine.outputs import RequestOutput, TokenLogprob
 from disagg.workers.engine.sampling_params import SamplingParams
 from disagg.workers.pd.messages import Admission, FirstToken, NewRequest, Reservation, TransferMode
@@ -186,29 +186,3 @@ def output_from_proto(gen: pb.DisaggStreamGeneration) -> RequestOutput:
         finish_reason=finish_reason if gen.finished else None, num_prompt_tokens=gen.usage.num_prompt_tokens,
         num_output_tokens=gen.usage.num_generated_tokens, new_logprobs=logprobs or None,
     )  # fmt: skip
-
-
-# --- instance addresses -----------------------------------------------------------
-
-
-def cluster_id(transfer_address: str) -> int:
-    """`ip << 32 | port` of an IPv4 "ip:port" (PROTOCOL.md's cluster_id)."""
-    host, _, port = transfer_address.rpartition(":")
-    return int(ipaddress.IPv4Address(host)) << 32 | int(port)
-
-
-def address_of_cluster_id(value: int) -> str:
-    port = value & 0xFFFF_FFFF
-    if not 0 < port < 65536:
-        raise ValueError(f"cluster_id {value:#x} holds no valid port")
-    return f"{ipaddress.IPv4Address(value >> 32)}:{port}"
-
-
-def rank0_transfer_address(addrs: Sequence[str], cluster_ids: Sequence[int]) -> str | None:
-    """Worker rank 0's transfer "ip:port" as given: `addrs[0]`, else decoded
-    from `cluster_ids[0]`; None when both lists are empty."""
-    if addrs:
-        return addrs[0]
-    if cluster_ids:
-        return address_of_cluster_id(cluster_ids[0])
-    return None

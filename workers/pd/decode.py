@@ -20,12 +20,14 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
+from disagg.proto.vocabulary import InstanceInfo
+from disagg.workers.engine.async_engine import EngineStats
 from disagg.workers.engine.outputs import RequestOutput
 from disagg.workers.engine.sampling_params import SamplingParams
 from disagg.workers.engine.tokenizer import Tokenizer
 from disagg.workers.http.backend import NO_CLIENT_API, EngineBackend, ModelInfo
 from disagg.workers.http.errors import APIError
-from disagg.workers.metrics import EngineStats, RequestStatus, WorkerMetrics
+from disagg.workers.metrics import RequestOutcome, WorkerMetrics
 from disagg.workers.pd.clients import PeerClients
 from disagg.workers.pd.config import PDConfig
 from disagg.workers.pd.engine import OutOfBlocks, PDAsyncEngine, PromptTooLarge
@@ -38,7 +40,7 @@ from disagg.workers.pd.errors import (
     UnknownRequest,
     WrongRole,
 )
-from disagg.workers.pd.links import InstanceInfo, PeerTable
+from disagg.workers.pd.links import PeerTable
 from disagg.workers.pd.messages import Admission, FirstToken, NewRequest, Reservation, TransferMode
 from disagg.workers.transfer import KVTransport, LinkRefusedError, TransferError, TransferTimeout
 
@@ -223,7 +225,7 @@ class DecodeRole(EngineBackend[PDAsyncEngine]):
                 pending.put_nowait(None)
 
         pumping = asyncio.create_task(pump())
-        status = RequestStatus.ERROR
+        status = RequestOutcome.ERROR
         try:
             while True:
                 batch = [await pending.get()]
@@ -234,10 +236,10 @@ class DecodeRole(EngineBackend[PDAsyncEngine]):
                     out = merge_outputs(outputs)
                     [tracked] = await self._clients.generations(inc.req.source_addr, [out])
                     if not tracked:
-                        status = RequestStatus.ABORTED
+                        status = RequestOutcome.ABORTED
                         break
                     if out.finished:
-                        status = RequestStatus.ABORTED if out.finish_reason == "abort" else RequestStatus.OK
+                        status = RequestOutcome.ABORTED if out.finish_reason == "abort" else RequestOutcome.OK
                         break
                 if None in batch:
                     break

@@ -11,11 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 
-from disagg.proto import disagg_pd_pb2 as pb
 from disagg.workers.metrics import WorkerMetrics
-from disagg.workers.pd.convert import cluster_id, rank0_transfer_address
 from disagg.workers.transfer import TransferSession
 
 log = logging.getLogger(__name__)
@@ -23,34 +20,6 @@ log = logging.getLogger(__name__)
 # How often sessions are checked for a dead peer: bounds how late a lost
 # peer's requests are failed.
 WATCH_INTERVAL_S = 0.2
-
-
-@dataclass(frozen=True)
-class InstanceInfo:
-    """The part of an `InstanceClusterInfo` a link needs (one worker rank per instance)."""
-
-    name: str  # "<ip>:<grpc port>": also the peer's gRPC address
-    transfer_address: str  # "<ip>:<transfer port>" of rank 0
-
-    @classmethod
-    def from_proto(cls, msg: pb.InstanceClusterInfo) -> InstanceInfo:
-        """ValueError unless the message names the instance and rank 0's transfer endpoint."""
-        if not msg.instance_name:
-            raise ValueError("instance_name is empty")
-        address = rank0_transfer_address(msg.addrs, msg.cluster_ids)
-        if address is None:
-            raise ValueError(f"instance {msg.instance_name}: neither addrs nor cluster_ids names a transfer endpoint")
-        host, sep, port = address.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ValueError(f"instance {msg.instance_name}: transfer address {address!r} is not host:port")
-        return cls(msg.instance_name, address)
-
-    def to_proto(self) -> pb.InstanceClusterInfo:
-        host, _, port = self.transfer_address.rpartition(":")
-        return pb.InstanceClusterInfo(
-            instance_name=self.name, cluster_ids=[cluster_id(self.transfer_address)], addrs=[self.transfer_address],
-            device_ips=[host], ports=[int(port)], dp_size=1,
-        )  # fmt: skip
 
 
 class PeerTable:

@@ -6,8 +6,11 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from disagg.proto.vocabulary import TransferMode
 from disagg.workers.engine.outputs import TokenLogprob
 from disagg.workers.engine.sampling_params import SamplingParams
+
+__all__ = ["Admission", "FirstToken", "NewRequest", "Reservation", "TransferMode"]
 
 
 class Admission(enum.IntEnum):
@@ -17,11 +20,6 @@ class Admission(enum.IntEnum):
     NO_BLOCKS = 404  # no free blocks right now: back off, maybe try another decode
     TOO_LARGE = 413  # the prompt can never fit this decode: fail the request
     REFUSED = 500  # the request could not be built (bad parameters, duplicate id)
-
-
-class TransferMode(str, enum.Enum):
-    PUSH = "PUSH"  # the prefill writes each layer into the decode's blocks during its forward
-    PULL = "PULL"  # the decode reads the prefill's blocks inside FirstGeneration
 
 
 @dataclass(frozen=True)

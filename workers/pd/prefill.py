@@ -29,7 +29,8 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
-from disagg.workers.engine.async_engine import outputs_until_finished
+from disagg.proto.vocabulary import InstanceInfo
+from disagg.workers.engine.async_engine import EngineStats, outputs_until_finished
 from disagg.workers.engine.outputs import RequestOutput, TokenLogprob
 from disagg.workers.engine.request import Request, RequestStatus
 from disagg.workers.engine.sampling_params import SamplingParams
@@ -37,12 +38,12 @@ from disagg.workers.engine.scheduler import SchedulerOutput
 from disagg.workers.engine.tokenizer import Tokenizer
 from disagg.workers.http.backend import EngineBackend, ModelInfo
 from disagg.workers.http.errors import APIError
-from disagg.workers.metrics import EngineStats, WorkerMetrics
+from disagg.workers.metrics import WorkerMetrics
 from disagg.workers.pd.clients import PeerClients
 from disagg.workers.pd.config import PDConfig
 from disagg.workers.pd.engine import HANDOFF, PDAsyncEngine, PDEngine
 from disagg.workers.pd.errors import PDError, WrongRole
-from disagg.workers.pd.links import InstanceInfo, PeerTable
+from disagg.workers.pd.links import PeerTable
 from disagg.workers.pd.messages import Admission, FirstToken, NewRequest, TransferMode
 from disagg.workers.transfer import KVTransport, TransferError, TransferHandle, TransferSession
 

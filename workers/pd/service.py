@@ -19,9 +19,9 @@ from fastapi.responses import JSONResponse
 from google.protobuf import json_format
 
 from disagg.proto import common_pb2, disagg_pd_pb2 as pb, disagg_pd_pb2_grpc, xllm_service_pb2_grpc
+from disagg.proto.vocabulary import InstanceInfo
 from disagg.workers.engine.outputs import RequestOutput
 from disagg.workers.pd import convert, errors
-from disagg.workers.pd.links import InstanceInfo
 from disagg.workers.pd.messages import Admission, FirstToken, NewRequest, Reservation
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,7 @@
 """The KV transfer engine: one interface (`base.py`), transports chosen by name.
 
-The CLI's `--kv-transport` choices come from `TRANSPORTS`.
+`TRANSPORTS` registers one class per name of `disagg.proto.vocabulary.Transport`,
+the torch-free list that `--kv-transport` and the CRD offer (a test keeps the two equal).
 """
 
 from __future__ import annotations
