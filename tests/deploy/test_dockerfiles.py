@@ -3,7 +3,8 @@
 No container engine runs here, so the images are not built; these checks
 catch what would break a build or a container start: a COPY of a missing or
 ignored path, an entry point that is not a module, a healthcheck on a route
-that does not exist, an operator image missing a package the operator imports.
+that does not exist, an operator image missing a package the operator imports
+or importing torch.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 ROOT = Path(__file__).resolve().parents[2]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 DOCKERFILES = ("Dockerfile.worker", "Dockerfile.operator")
 HADOLINT = Path(sys.executable).parent / "hadolint"
 
@@ -91,13 +93,22 @@ def test_every_copied_path_exists_and_is_in_the_build_context(name: str) -> None
 
 
 @pytest.mark.parametrize("name", DOCKERFILES)
-def test_the_wheel_stage_copies_every_packaged_folder(name: str) -> None:
-    """The wheel is built in the image: a folder missing there is silently absent from it."""
-    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    folders = set(pyproject["tool"]["setuptools"]["package-dir"].values())
+def test_the_wheel_stage_copies_every_runtime_folder_and_not_the_test_harness(name: str) -> None:
+    """The wheel is built in the image: a folder missing there is silently absent from it,
+    and the absent testing/ keeps disagg.testing out of it (setup.py)."""
+    folders = set(PYPROJECT["tool"]["setuptools"]["package-dir"].values()) - {"testing"}
     copied = {src.rstrip("/") for src in context_copies(name)}
     assert folders <= copied, f"{name} does not copy {sorted(folders - copied)}"
-    assert {"pyproject.toml", "README.md"} <= copied, f"{name} must copy pyproject.toml and its readme"
+    assert {"pyproject.toml", "setup.py", "README.md"} <= copied, f"{name} must copy the build files and readme"
+    assert "testing" not in copied and not dockerignore_allows("testing"), "the tests' harness stays out of images"
+
+
+@pytest.mark.parametrize("name, extra", [("Dockerfile.worker", "worker"), ("Dockerfile.operator", "operator")])
+def test_each_image_installs_the_wheel_with_its_own_extra(name: str, extra: str) -> None:
+    runs = [i.text for i in instructions(name) if i.keyword == "RUN" and "/dist/disagg-" in i.text]
+    assert len(runs) == 1, f"{name}: one RUN installs the project's wheel"
+    assert f'"${{wheel}}[{extra}]"' in runs[0], f"{name} must install the wheel's [{extra}] extra"
+    assert "--no-deps /dist" not in runs[0], f"{name}: the extra brings the dependencies, not a hand list"
 
 
 @pytest.mark.parametrize("name", DOCKERFILES)
@@ -182,16 +193,38 @@ def _third_party_imports(folder: Path) -> set[str]:
     return {n for n in names if n not in sys.stdlib_module_names and n not in ("disagg", "__future__")}
 
 
-def test_operator_image_installs_every_package_the_operator_imports() -> None:
-    """The operator image installs the wheel with --no-deps plus a pinned list; nothing may be missing."""
-    run = [i.text for i in instructions("Dockerfile.operator") if i.keyword == "RUN" and "pip install --no-deps" in i.text]
-    assert len(run) == 1, "one RUN installs the wheel and the operator's packages"
-    pinned = {m.group(1).lower().replace("_", "-"): m.group(2) for m in re.finditer(r"([A-Za-z0-9_.-]+)==(\S+)", run[0])}
+def _names(requirements: list[str]) -> set[str]:
+    return {re.split(r"[<>=!~;\[ ]", r, maxsplit=1)[0].lower().replace("_", "-") for r in requirements}
+
+
+def test_the_operator_extra_holds_every_package_the_operator_imports() -> None:
+    """The operator image installs `.[operator]` and the base dependencies; nothing may be missing."""
+    project = PYPROJECT["project"]
+    installed = _names(project["dependencies"]) | _names(project["optional-dependencies"]["operator"])
     dists = packages_distributions()
     # proto/generate.py is a development script (grpc_tools), not part of the runtime.
     imported = _third_party_imports(ROOT / "operator") | (_third_party_imports(ROOT / "proto") - {"grpc_tools"})
     needed = {d.lower().replace("_", "-") for name in imported for d in dists.get(name, [name])}
-    missing = needed - set(pinned)
-    assert not missing, f"Dockerfile.operator does not install {sorted(missing)}"
-    for dist, version in pinned.items():
-        assert re.fullmatch(r"\d+(\.\d+)+", version), f"{dist}=={version} is not an exact version"
+    assert not needed - installed, f"the [operator] extra lacks {sorted(needed - installed)}"
+    assert "torch" not in installed
+
+
+def test_the_operator_and_disagg_operator_run_without_torch() -> None:
+    """The operator image has no torch: its modules, and `disagg operator` through the
+    worker package's CLI, must not import it (nor the test harness, absent there)."""
+    modules = sorted(f"disagg.operator.{p.stem}" for p in (ROOT / "operator").glob("*.py"))
+    code = (
+        "import importlib, sys\n"
+        "sys.modules['torch'] = sys.modules['disagg.testing'] = None  # importing them raises ImportError\n"
+        f"for name in {modules!r}:\n"
+        "    importlib.import_module(name)\n"
+        "from disagg.workers.cli import main\n"
+        "try:\n"
+        "    main(['operator', '--help'])\n"
+        "except SystemExit as exc:\n"
+        "    assert exc.code == 0, exc.code\n"
+        "print('torch' in sys.modules and sys.modules['torch'] is not None)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "usage: disagg operator" in done.stdout and done.stdout.strip().endswith("False"), done.stdout[-2000:]

@@ -2,17 +2,38 @@
 
 from __future__ import annotations
 
+import ast
+import shutil
 import subprocess
 import sys
 import tomllib
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 PACKAGE_DIRS: dict[str, str] = PYPROJECT["tool"]["setuptools"]["package-dir"]
+
+
+def setup_py_constant(name: str) -> Any:
+    """A literal assigned at the top of setup.py (which cannot be imported: it runs setup())."""
+    for node in ast.parse((ROOT / "setup.py").read_text()).body:
+        if isinstance(node, ast.Assign) and [t.id for t in node.targets if isinstance(t, ast.Name)] == [name]:
+            return ast.literal_eval(node.value)
+    raise AssertionError(f"setup.py assigns no {name}")
+
+
+def build_wheel(source: Path, out: Path) -> Path:
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(out), str(source)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-2000:]
+    (wheel,) = out.glob("disagg-*.whl")
+    return wheel
 
 
 def source_modules() -> set[str]:
@@ -39,7 +60,7 @@ def test_source_roots_have_no_init_that_could_shadow_the_stdlib() -> None:
 
 
 def test_every_source_package_is_listed_for_the_wheel() -> None:
-    listed = set(PYPROJECT["tool"]["setuptools"]["packages"])
+    listed = {*setup_py_constant("RUNTIME_PACKAGES"), setup_py_constant("TEST_HARNESS")}
     packages = set()
     for package, folder in PACKAGE_DIRS.items():
         for path in (ROOT / folder).rglob("*.py"):
@@ -51,12 +72,7 @@ def test_every_source_package_is_listed_for_the_wheel() -> None:
 
 @pytest.mark.slow
 def test_wheel_holds_and_imports_every_module(tmp_path: Path) -> None:
-    build = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), str(ROOT)],
-        capture_output=True, text=True, timeout=600,
-    )
-    assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-2000:]
-    (wheel,) = tmp_path.glob("disagg-*.whl")
+    wheel = build_wheel(ROOT, tmp_path)
     site = tmp_path / "site"
     with zipfile.ZipFile(wheel) as zf:
         zf.extractall(site)
@@ -87,3 +103,18 @@ def test_console_command_has_help_and_version() -> None:
     assert out.returncode == 0 and out.stdout.startswith("disagg "), out
     out = subprocess.run([str(disagg), "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "usage: disagg" in out.stdout, out
+
+
+@pytest.mark.slow
+def test_a_wheel_built_as_the_images_build_it_has_no_test_harness(tmp_path: Path) -> None:
+    """The Dockerfiles copy the build files and the runtime folders, not testing/."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "setup.py", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    for folder in set(PACKAGE_DIRS.values()) - {"testing"}:
+        shutil.copytree(ROOT / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    with zipfile.ZipFile(build_wheel(src, tmp_path)) as zf:
+        names = zf.namelist()
+    assert not [n for n in names if n.startswith("disagg/testing/")], "disagg.testing reached the image's wheel"
+    assert "disagg/proto/vocabulary.py" in names and "disagg/operator/spec.py" in names
