@@ -15,7 +15,7 @@ workers still loading) per reconcile pass while the cluster comes up.
 Scale (the stand-ins): each decode is a minimal stand-in `DisaggPDService` server that records
 LinkInstance calls (used only for this scale measurement; the e2e tests use
 real workers) on its own loopback address. The operator's real planner
-(reconcile.plan_links) and gRPC client (links.LinkClient) link every decode
+(reconcile.plan_links) and gRPC client (link_client.LinkClient) link every decode
 with every prefill, in passes, until the graph is complete.
 
     .venv/bin/python benchmarks/bench_operator.py --real-repeats 3 --sizes 2 5 10 20 --repeats 5
@@ -42,8 +42,9 @@ from kubernetes import client, config
 from disagg.operator import crd
 from disagg.operator import manifests as m
 from disagg.operator.controller import ClusterController, Deps
+from disagg.operator.graph import LinkGraph
 from disagg.operator.kube import KubeApi
-from disagg.operator.links import LinkClient, LinkGraph
+from disagg.operator.link_client import LinkClient
 from disagg.operator.metrics import OperatorMetrics
 from disagg.operator.reconcile import PodView, plan_links, pod_view
 from disagg.operator.settings import OperatorSettings

@@ -4,6 +4,8 @@ A `ClusterController` holds what the operator remembers about one cluster
 between passes (the link graph, running drains): ephemeral state, rebuilt
 after a restart by re-asserting links. Facts (pods, gates, the draining
 annotation, the status) live in the API. Passes of one cluster never overlap.
+What a pass sees it passes along explicitly, and counts once in a
+`ClusterSnapshot` that both the status and the metrics read.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import asyncio
 import datetime
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +25,9 @@ from disagg.operator import manifests as m
 from disagg.operator.drain import drain, in_flight
 from disagg.operator.health import model_loaded
 from disagg.operator.kube import KubeApi
-from disagg.operator.links import LinkClient, LinkGraph, LinkOp
+from disagg.operator.graph import LinkGraph
+from disagg.operator.link_client import LinkClient
+from disagg.operator.links import LinkOp
 from disagg.operator.metrics import OperatorMetrics
 from disagg.operator.reconcile import (
     LinkPlan,
@@ -36,7 +40,8 @@ from disagg.operator.reconcile import (
     with_loaded,
 )
 from disagg.operator.settings import OperatorSettings
-from disagg.operator.spec import ROLES, ClusterSpec, parse_spec
+from disagg.operator.snapshot import ClusterSnapshot, take_snapshot
+from disagg.operator.spec import ClusterSpec, parse_spec
 from disagg.operator.status import build_status, status_changed
 
 log = logging.getLogger(__name__)
@@ -71,23 +76,23 @@ class ClusterController:
     last_reassert: float = 0.0
     service_generation: int | None = None
     reported: set[tuple[str, ...]] = field(default_factory=set)  # Events already posted, not to repeat them
-    body: kopf.Body = field(default_factory=lambda: kopf.Body({}))
-    views: list[PodView] = field(default_factory=list)
     loaded: set[str] = field(default_factory=set)  # incarnations whose /health said their model is loaded
+    # The latest pass's snapshot: drains outlive their pass and unlink the peers it saw.
+    latest: ClusterSnapshot | None = None
 
     def wake(self) -> None:
         self.wakeup.set()
 
-    def _event(self, kind: str, reason: str, message: str, key: tuple[str, ...] | None = None) -> None:
+    def _event(self, body: kopf.Body, kind: str, reason: str, message: str,
+               key: tuple[str, ...] | None = None) -> None:
         if key is not None:
             if key in self.reported:
                 return
             self.reported.add(key)
-        self.deps.post_event(self.body, kind, reason, message)
+        self.deps.post_event(body, kind, reason, message)
 
     async def reconcile(self, body: kopf.Body, views: Iterable[PodView]) -> float:
         """One pass; returns how long until the next one is due."""
-        self.body, self.views = body, list(views)
         spec = parse_spec(body.get("spec") or {})
         if len(self.name) > m.MAX_CLUSTER_NAME:
             raise kopf.PermanentError(f"the name must be at most {m.MAX_CLUSTER_NAME} characters (it names the Service)")
@@ -96,22 +101,24 @@ class ClusterController:
             await self.deps.kube.apply_service(self.namespace, m.prefill_service(body, spec))
             self.service_generation = generation
         templates = m.current_templates(spec, *self._security_contexts)
-        await self._scale(spec, templates)
-        await self._observe_models()
-        plan = await self._link()
-        for flip in plan_gates(self.views, self.graph, plan.desired):
+        pods = list(views)
+        await self._scale(body, spec, templates, pods)
+        pods = await self._observe_models(pods)
+        plan = await self._link(body, pods)
+        for flip in plan_gates(pods, self.graph, plan.desired):
             await self.deps.kube.set_pod_condition(self.namespace, flip.pod, {
                 "type": m.LINKED_GATE, "status": "True" if flip.linked else "False",
                 "reason": flip.reason, "message": flip.message, "lastTransitionTime": _now_iso()})
-        self._start_drains(spec)
-        status = build_status(self.name, self.namespace, generation, spec, self.views, self.graph, plan, templates,
-                              body.get("status") or {}, _now_iso())
+        # Counted before any await below: a drain that runs meanwhile changes the graph, not this pass's counts.
+        snap = self.latest = take_snapshot(pods, self.graph, plan, templates)
+        self._start_drains(body, spec, snap.views)
+        status = build_status(self.name, self.namespace, generation, spec, snap, body.get("status") or {}, _now_iso())
         if status_changed(status, body.get("status") or {}):
             await self.deps.kube.patch_status(self.namespace, self.name, status)
-        self._export(plan.desired, len(plan.mismatched))
+        self.deps.metrics.export(self.namespace, self.name, snap)
         due = self.graph.next_due()
         resync = self.deps.settings.resync_s
-        if any(v.awaits_model for v in self.views):
+        if any(v.awaits_model for v in snap.views):
             resync = min(resync, self.deps.settings.health_poll_s)
         return resync if due is None else max(0.05, min(resync, due - time.monotonic()))
 
@@ -120,36 +127,38 @@ class ClusterController:
         """The operator's defaults for every worker pod (pod level, container level)."""
         return self.deps.settings.worker_pod_security_context, self.deps.settings.worker_security_context
 
-    async def _scale(self, spec: ClusterSpec, templates: Mapping[str, str]) -> None:
-        candidates = [v for vs in surplus(spec, self.views).values() for v in vs if v.ip]
+    async def _scale(self, body: kopf.Body, spec: ClusterSpec, templates: Mapping[str, str],
+                     views: Sequence[PodView]) -> None:
+        candidates = [v for vs in surplus(spec, views).values() for v in vs if v.ip]
         counts = await asyncio.gather(*(in_flight(self.deps.http, v.ip) for v in candidates))
         load = {v.name: c for v, c in zip(candidates, counts) if c is not None}
-        plan = plan_pods(spec, self.name, self.body["metadata"]["uid"], self.views, load, templates)
+        plan = plan_pods(spec, self.name, body["metadata"]["uid"], views, load, templates)
         for role, name in plan.create:
-            pod = m.worker_pod(self.body, role, name, spec, *self._security_contexts)
+            pod = m.worker_pod(body, role, name, spec, *self._security_contexts)
             await self.deps.kube.create_pod(self.namespace, pod)
         for name in plan.drain:
             await self.deps.kube.annotate_pod(self.namespace, name, {m.DRAINING_ANNOTATION: _now_iso()})
-            self._event("Normal", "Draining", f"pod {name} leaves routing and finishes its requests before deletion")
-        by_name = {v.name: v for v in self.views}
+            self._event(body, "Normal", "Draining",
+                        f"pod {name} leaves routing and finishes its requests before deletion")
+        by_name = {v.name: v for v in views}
         for name in plan.delete:
             await self.deps.kube.delete_pod(self.namespace, name, by_name[name].uid)
 
-    async def _observe_models(self) -> None:
-        """Ask /health of each worker still loading its model, so that it is linked
-        as soon as it can be (and not tried before, which would only grow its backoff)."""
-        self.loaded &= {v.incarnation for v in self.views}
-        asking = [v for v in self.views if v.awaits_model and v.incarnation not in self.loaded]
+    async def _observe_models(self, views: Sequence[PodView]) -> list[PodView]:
+        """`views`, marked loaded where /health says so. Asks each worker still loading its model,
+        so that it is linked as soon as it can be (and not tried before, which would only grow its backoff)."""
+        self.loaded &= {v.incarnation for v in views}
+        asking = [v for v in views if v.awaits_model and v.incarnation not in self.loaded]
         answers = await asyncio.gather(*(model_loaded(self.deps.http, v.ip) for v in asking))
         self.loaded.update(v.incarnation for v, ok in zip(asking, answers) if ok)
-        self.views = with_loaded(self.views, self.loaded)
+        return with_loaded(views, self.loaded)
 
-    async def _link(self) -> LinkPlan:
+    async def _link(self, body: kopf.Body, views: Sequence[PodView]) -> LinkPlan:
         now = time.monotonic()
         reassert = now - self.last_reassert >= self.deps.settings.reassert_s
         # A draining pod keeps its links until its drain unlinks it; once gone, its edges are stale.
-        draining = frozenset(v.name for v in self.views if v.is_draining and not v.is_gone)
-        plan = plan_links(self.views, self.graph, now, reassert=reassert, keep=draining)
+        draining = frozenset(v.name for v in views if v.is_draining and not v.is_gone)
+        plan = plan_links(views, self.graph, now, reassert=reassert, keep=draining)
         unlink_ops = [op for _, ops in plan.unlink for op in ops]
         results = await self.deps.links.run(unlink_ops + [op for _, op in plan.link])
         self.deps.metrics.observe_links(results)
@@ -159,43 +168,46 @@ class ClusterController:
             self.graph.record_link(pair, result, time.monotonic(), plan.observed[pair])
             if not result.ok:
                 log.info("link %s failed: %s", pair, result.error)
-                self._event("Warning", "LinkFailed", f"decode {pair[0]} could not link prefill {pair[1]}: "
+                self._event(body, "Warning", "LinkFailed", f"decode {pair[0]} could not link prefill {pair[1]}: "
                             f"{result.error}", key=("LinkFailed", *pair, op.target.incarnation, op.payload.incarnation))
         if reassert:
             self.last_reassert = now
         for d, dl, p, pl in plan.mismatched:
-            self._event("Warning", "LayoutMismatch", f"decode {d} (KV layout {dl}) and prefill {p} (KV layout {pl}) "
-                        "are not linked: model, dtype or block size differ", key=("LayoutMismatch", d, p))
+            self._event(body, "Warning", "LayoutMismatch", f"decode {d} (KV layout {dl}) and prefill {p} "
+                        f"(KV layout {pl}) are not linked: model, dtype or block size differ",
+                        key=("LayoutMismatch", d, p))
         return plan
 
-    def _start_drains(self, spec: ClusterSpec) -> None:
-        present = {v.name for v in self.views}
+    def _start_drains(self, body: kopf.Body, spec: ClusterSpec, views: Sequence[PodView]) -> None:
+        present = {v.name for v in views}
         for name in [n for n, t in self.drains.items() if n not in present and t.done()]:
             del self.drains[name]
-        for v in self.views:
+        for v in views:
             task = self.drains.get(v.name)
             # A finished drain has deleted its pod (the index may not show it yet); a failed one is retried.
             retry = task is not None and task.done() and (task.cancelled() or not task.result())
             # The gate is False in the API before the drain starts, so routing has begun to move away.
             if v.is_draining and not v.is_gone and not v.gate and (task is None or retry):
-                self.drains[v.name] = asyncio.create_task(self._drain(v, spec), name=f"drain-{v.name}")
+                self.drains[v.name] = asyncio.create_task(self._drain(body, v, spec), name=f"drain-{v.name}")
 
-    async def _drain(self, pod: PodView, spec: ClusterSpec) -> bool:
+    async def _drain(self, body: kopf.Body, pod: PodView, spec: ClusterSpec) -> bool:
         """drain.py's steps, then unlink from every live peer, then delete; False when it failed."""
         assert pod.draining_since is not None, f"pod {pod.name} is not draining"
         try:
-            await self._drain_and_delete(pod, pod.draining_since, spec)
+            await self._drain_and_delete(body, pod, pod.draining_since, spec)
         except Exception:  # noqa: BLE001 - a task's error is nobody's to catch: log it, let the next pass retry
             log.exception("drain of pod %s failed; the next pass retries it", pod.name)
             self.wake()
             return False
         return True
 
-    async def _drain_and_delete(self, pod: PodView, since: float, spec: ClusterSpec) -> None:
+    async def _drain_and_delete(self, body: kopf.Body, pod: PodView, since: float, spec: ClusterSpec) -> None:
         outcome = await drain(pod.endpoint, self.deps.http, deadline=since + spec.drain_timeout_s,
                               grace_s=self.deps.settings.drain_grace_s, poll_s=self.deps.settings.metrics_poll_s)
         # Peers as the latest pass saw them (a peer may have come or gone during the wait).
-        peers = [v.endpoint for v in self.views if v.role != pod.role and v.running and v.ip and not v.is_gone]
+        assert self.latest is not None, "a drain starts after its pass took a snapshot"
+        peers = [v.endpoint for v in self.latest.views
+                 if v.role != pod.role and v.running and v.ip and not v.is_gone]
         ops = [op for peer in peers for op in (LinkOp(False, peer, pod.endpoint), LinkOp(False, pod.endpoint, peer))]
         results = await self.deps.links.run(ops)
         self.deps.metrics.observe_links(results)
@@ -205,29 +217,13 @@ class ClusterController:
         await self.deps.kube.delete_pod(self.namespace, pod.name, pod.uid)
         self.deps.metrics.drain_seconds.observe(time.time() - since)
         if outcome.idle:
-            self._event("Normal", "Drained", f"pod {pod.name} finished its requests in {outcome.seconds:.1f} s; "
-                        f"unlinked from {len(peers)} peers and deleted")
+            self._event(body, "Normal", "Drained", f"pod {pod.name} finished its requests in "
+                        f"{outcome.seconds:.1f} s; unlinked from {len(peers)} peers and deleted")
         else:
             self.deps.metrics.drain_timeouts.inc()
-            self._event("Warning", "DrainTimeout", f"pod {pod.name} still had requests after "
+            self._event(body, "Warning", "DrainTimeout", f"pod {pod.name} still had requests after "
                         f"{spec.drain_timeout_s} s; unlinked and deleted (raise spec.drain.timeoutSeconds to wait longer)")
         self.wake()
-
-    def _export(self, desired: frozenset[tuple[str, str]], mismatched: int) -> None:
-        g, ns, name = self.deps.metrics, self.namespace, self.name
-        established = sum(p in self.graph.edges for p in desired)
-        failed = sum(p in self.graph.failures for p in desired)
-        for state, n in (("established", established), ("failed", failed),
-                         ("pending", len(desired) - established - failed), ("mismatched", mismatched)):
-            g.links.labels(ns, name, state).set(n)
-        for role in ROLES:
-            mine = [v for v in self.views if v.role == role]
-            states = {"linked": sum(v.gate and not v.is_gone for v in mine),
-                      "ready": sum(v.containers_ready and not v.is_gone for v in mine),
-                      "draining": sum(v.is_draining and not v.is_gone for v in mine),
-                      "terminating": sum(v.is_gone for v in mine), "total": len(mine)}
-            for state, n in states.items():
-                g.pods.labels(ns, name, role, state).set(n)
 
     async def stop(self) -> None:
         for task in self.drains.values():

@@ -20,7 +20,7 @@ from kubernetes.config.config_exception import ConfigException
 from disagg.operator.controller import ClusterController, Deps
 from disagg.operator.crd import GROUP, PLURAL, VERSION
 from disagg.operator.kube import KubeApi
-from disagg.operator.links import LinkClient
+from disagg.operator.link_client import LinkClient
 from disagg.operator.manifests import CLUSTER_LABEL
 from disagg.operator.metrics import OperatorMetrics
 from disagg.operator.reconcile import PodView, pod_view

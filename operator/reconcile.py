@@ -13,7 +13,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from disagg.operator import manifests as m
-from disagg.operator.links import Endpoint, LinkGraph, LinkOp, Observed, Pair
+from disagg.operator.graph import LinkGraph, Observed, Pair
+from disagg.operator.links import Endpoint, LinkOp
 from disagg.operator.spec import ROLES, ClusterSpec
 
 

@@ -29,7 +29,7 @@ from disagg.operator import crd
 from disagg.operator import manifests as m
 from disagg.operator.controller import ClusterController, Deps
 from disagg.operator.kube import KubeApi
-from disagg.operator.links import LinkClient
+from disagg.operator.link_client import LinkClient
 from disagg.operator.metrics import OperatorMetrics
 from disagg.operator.reconcile import pod_view
 from disagg.operator.settings import OperatorSettings

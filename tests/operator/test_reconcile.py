@@ -6,7 +6,8 @@ from collections.abc import Callable
 from typing import Any
 
 from disagg.operator import manifests as m
-from disagg.operator.links import Endpoint, LinkGraph, LinkOp, LinkResult
+from disagg.operator.graph import LinkGraph
+from disagg.operator.links import Endpoint, LinkOp, LinkResult
 from disagg.operator.reconcile import (
     PodPlan,
     PodView,

@@ -6,8 +6,10 @@ from collections.abc import Callable
 from typing import Any
 
 from disagg.operator import manifests as m
-from disagg.operator.links import LinkGraph, LinkResult
+from disagg.operator.graph import LinkGraph
+from disagg.operator.links import LinkResult
 from disagg.operator.reconcile import LinkPlan, PodView, plan_links, pod_view
+from disagg.operator.snapshot import take_snapshot
 from disagg.operator.spec import ClusterSpec
 from disagg.operator.status import build_status
 
@@ -16,7 +18,8 @@ NOW = "2025-01-01T00:00:00Z"
 
 def status_of(generation: int, spec: ClusterSpec, views: list[PodView], graph: LinkGraph, plan: LinkPlan,
               previous: dict[str, Any], now: str) -> dict[str, Any]:
-    return build_status("llm", "ns", generation, spec, views, graph, plan, m.current_templates(spec), previous, now)
+    snap = take_snapshot(views, graph, plan, m.current_templates(spec))
+    return build_status("llm", "ns", generation, spec, snap, previous, now)
 
 
 def conditions(status: dict[str, Any]) -> dict[str, tuple[str, str]]:

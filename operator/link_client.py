@@ -1,0 +1,63 @@
+"""The async gRPC client that makes and drops links (`LinkInstance`/`UnlinkInstance`)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable, Sequence
+
+import grpc
+
+from disagg.operator.links import Endpoint, LinkOp, LinkResult
+from disagg.proto import disagg_pd_pb2_grpc
+
+
+class LinkClient:
+    """gRPC `LinkInstance`/`UnlinkInstance` with a deadline per call, many calls at once.
+
+    Channels are cached per target address; `close()` releases them. A failed
+    call is not retried here: the graph schedules the retry with backoff, so
+    no handler ever sleeps.
+    """
+
+    def __init__(self, timeout_s: float = 5.0, concurrency: int = 64) -> None:
+        self.timeout_s = timeout_s
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._limit = asyncio.Semaphore(concurrency)
+        self.calls = 0  # RPCs sent, for the benchmark
+
+    def _stub(self, target: Endpoint) -> disagg_pd_pb2_grpc.DisaggPDServiceStub:
+        address = target.instance_name
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(address)
+            self._channels[address] = channel
+        return disagg_pd_pb2_grpc.DisaggPDServiceStub(channel)
+
+    async def call(self, op: LinkOp) -> LinkResult:
+        stub = self._stub(op.target)
+        method = stub.LinkInstance if op.link else stub.UnlinkInstance
+        began = time.monotonic()
+        async with self._limit:
+            self.calls += 1
+            try:
+                status = await method(op.payload.cluster_info(), timeout=self.timeout_s)
+            except grpc.aio.AioRpcError as e:
+                return LinkResult(op, False, f"{e.code().name}: {e.details()}", time.monotonic() - began)
+        error = "" if status.ok else f"{op.target.instance_name} answered ok=false"
+        return LinkResult(op, status.ok, error, time.monotonic() - began)
+
+    async def run(self, ops: Sequence[LinkOp]) -> list[LinkResult]:
+        """All `ops` in parallel, results in the same order."""
+        return list(await asyncio.gather(*(self.call(op) for op in ops)))
+
+    def forget(self, addresses: Iterable[str]) -> None:
+        """Drop channels of workers that are gone (their addresses may be reused)."""
+        for address in addresses:
+            channel = self._channels.pop(address, None)
+            if channel is not None:
+                asyncio.ensure_future(channel.close())
+
+    async def close(self) -> None:
+        channels, self._channels = list(self._channels.values()), {}
+        await asyncio.gather(*(c.close() for c in channels))
