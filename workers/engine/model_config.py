@@ -37,6 +37,7 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
 }
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
