@@ -1,4 +1,4 @@
-"""Tiny random Hugging Face models (Llama, Qwen2, Qwen3) for tests and benchmarks.
+"""Tiny random Hugging Face models (Llama, Qwen2, Qwen3, Gemma) for tests and benchmarks.
 
 `build_tiny_model(family, dest)` writes a folder with config.json, safetensors
 weights and a byte-level BPE tokenizer with a ChatML chat template, small
@@ -14,7 +14,7 @@ from typing import Any
 # the session conftest imports this module, and offline test runs must not
 # pay for them.
 
-FAMILIES = ("llama", "qwen2", "qwen3")
+FAMILIES = ("llama", "qwen2", "qwen3", "gemma")
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2
 VOCAB_SIZE = 320  # tokenizer: 3 specials + 256 bytes + merges; the model's vocab matches
 CHAT_TEMPLATE = (
@@ -42,6 +42,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "qwen2": dict(_COMMON, rope_theta=1000000.0),
     # explicit head_dim 32 != hidden_size / heads = 16
     "qwen3": dict(_COMMON, head_dim=32, rope_theta=1000000.0),
+    # one KV head (as Gemma 2B); Gemma's config class defaults head_dim to 256
+    "gemma": dict(_COMMON, num_key_value_heads=1, head_dim=16, rope_theta=10000.0),
 }
 
 
@@ -70,7 +72,7 @@ def build_tiny_model(family: str, dest: Path, *, tied: bool = False, max_shard_s
     import transformers
 
     config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-                  "qwen3": transformers.Qwen3Config}[family]
+                  "qwen3": transformers.Qwen3Config, "gemma": transformers.GemmaConfig}[family]
     config = config_cls(**CONFIGS[family], tie_word_embeddings=tied)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -44,11 +44,13 @@ def test_config_fields(tiny_model: Callable[..., Path]) -> None:
         ("LlamaForCausalLM", 2, 4, 2)
     assert llama.head_dim == 16 and llama.eos_token_ids == (2,) and llama.bos_token_id == 0
     assert llama.rope_scaling is not None and llama.rope_scaling.rope_type == "llama3"
-    assert not llama.attention_bias and not llama.qk_norm
+    assert not llama.attention_bias and llama.hidden_act == "silu"
     qwen2, qwen3 = ModelConfig.from_dir(tiny_model("qwen2")), ModelConfig.from_dir(tiny_model("qwen3"))
-    assert qwen2.attention_bias and not qwen2.qk_norm
-    assert qwen3.qk_norm and qwen3.head_dim == 32 != qwen3.hidden_size // qwen3.num_heads
-    assert len({llama.model_id, qwen2.model_id, qwen3.model_id}) == 3
+    assert qwen2.attention_bias and not qwen3.attention_bias
+    assert qwen3.head_dim == 32 != qwen3.hidden_size // qwen3.num_heads
+    gemma = ModelConfig.from_dir(tiny_model("gemma"))
+    assert (gemma.architecture, gemma.num_kv_heads, gemma.hidden_act) == ("GemmaForCausalLM", 1, "gelu_pytorch_tanh")
+    assert len({llama.model_id, qwen2.model_id, qwen3.model_id, gemma.model_id}) == 4
     assert ModelConfig.from_dir(tiny_model("llama")).model_id == llama.model_id
 
 
@@ -58,7 +60,7 @@ def test_eos_ids_merge_generation_config(tiny_model: Callable[..., Path], tmp_pa
     assert ModelConfig.from_dir(model_dir).eos_token_ids == (2, 0)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma"])
 def test_tied_and_untied_embeddings(tiny_model: Callable[..., Path], family: str) -> None:
     tied = load_model(str(tiny_model(family, tied=True)), torch.float32, CPU)
     assert "lm_head.weight" not in checkpoint(tied.model_dir)
@@ -161,12 +163,49 @@ def test_checkpoint_wrong_shape(tiny_model: Callable[..., Path], tmp_path: Path)
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
     ({"sliding_window": 16}, "sliding_window"),
+    ({"use_bidirectional_attention": True}, "bidirectional"),
 ])
 def test_bad_config(tiny_model: Callable[..., Path], tmp_path: Path, changes: dict, message: str) -> None:
     model_dir = copy_model(tiny_model("llama"), tmp_path / "m")
     edit_config(model_dir, **changes)
     with pytest.raises(ModelConfigError, match=message):
         load_model(str(model_dir), torch.float32, CPU)
+
+
+@pytest.mark.parametrize("family,changes,applies", [
+    ("llama", {"sliding_window": 16}, True),  # Llama/Mistral: a window applies unless turned off
+    ("llama", {"sliding_window": 16, "use_sliding_window": False}, False),
+    ("llama", {"sliding_window": 512}, False),  # not shorter than the context: no window
+    ("qwen2", {"sliding_window": 16}, False),  # Qwen's traits default use_sliding_window to false
+    ("qwen3", {"sliding_window": 16, "use_sliding_window": True}, True),
+])
+def test_sliding_window_rule(tiny_model: Callable[..., Path], tmp_path: Path, family: str,
+                             changes: dict, applies: bool) -> None:
+    model_dir = copy_model(tiny_model(family), tmp_path / "m")
+    config = json.loads((model_dir / "config.json").read_text())
+    config.pop("use_sliding_window", None)  # what the family's traits default, not what transformers wrote
+    (model_dir / "config.json").write_text(json.dumps(config | changes))
+    if applies:
+        with pytest.raises(ModelConfigError, match="sliding_window"):
+            ModelConfig.from_dir(model_dir)
+    else:
+        assert ModelConfig.from_dir(model_dir).architecture == config["architectures"][0]
+
+
+def test_registry_serves_each_architecture_with_its_class() -> None:
+    from disagg.workers.engine.models import MODEL_CLASSES, model_class, register
+    from disagg.workers.engine.models.gemma import GemmaForCausalLM
+    from disagg.workers.engine.models.llama import LlamaForCausalLM
+    from disagg.workers.engine.models.qwen3 import Qwen3Attention
+
+    assert model_class("MistralForCausalLM") is model_class("LlamaForCausalLM") is LlamaForCausalLM
+    assert model_class("GemmaForCausalLM") is GemmaForCausalLM
+    assert model_class("Qwen3ForCausalLM").parts.attention is Qwen3Attention  # type: ignore[attr-defined]
+    with pytest.raises(ModelConfigError, match="unsupported architecture 'GPT2LMHeadModel'"):
+        model_class("GPT2LMHeadModel")
+    with pytest.raises(AssertionError, match="served by GemmaForCausalLM already"):
+        register("GemmaForCausalLM")(LlamaForCausalLM)
+    assert MODEL_CLASSES["GemmaForCausalLM"] is GemmaForCausalLM
 
 
 def test_config_not_json(tmp_path: Path) -> None:

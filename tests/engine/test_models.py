@@ -15,7 +15,7 @@ from disagg.workers.engine.models.packing import packing_available
 
 torch.set_num_threads(2)
 ATOL = 1e-4
-FAMILIES = ("llama", "qwen2", "qwen3")
+FAMILIES = ("llama", "qwen2", "qwen3", "gemma")
 CPU = torch.device("cpu")
 # Our projections from plain weights, and from oneDNN-packed ones (what LLMEngine runs on a CPU).
 WEIGHTS = ("strided", pytest.param("packed", marks=pytest.mark.skipif(
@@ -156,6 +156,30 @@ def test_prefix_cache_hit_matches_transformers(models: Callable, paged_cache: ty
     expected = reference_logits(reference, shared + suffix + tokens[:-1])[len(shared):]
     torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
     assert expected[len(suffix) - 1:].argmax(-1).tolist() == tokens
+
+
+@pytest.mark.parametrize("weights", WEIGHTS)
+def test_gemma_as_released_matches_transformers(tiny_model: Callable[..., Path], paged_cache: type,
+                                                tmp_path: Path, weights: str) -> None:
+    """A config.json as Gemma's checkpoints ship it: no tie_word_embeddings (tied by
+    default), the legacy hidden_act "gelu" (read as the tanh GELU)."""
+    import json
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    model_dir = shutil.copytree(tiny_model("gemma", tied=True), tmp_path / "gemma")
+    config = json.loads((model_dir / "config.json").read_text())
+    del config["tie_word_embeddings"]
+    (model_dir / "config.json").write_text(json.dumps(config | {"hidden_act": "gelu"}))
+    ours = load_model(str(model_dir), torch.float32, CPU)
+    assert ours.config.tie_word_embeddings and ours.config.hidden_act == "gelu_pytorch_tanh"
+    if weights == "packed":
+        ours.model.pack_weights()
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = prompt(13, seed=8)
+    tokens, logits = generate(ours, new_cache(paged_cache, ours, block_size=4), 0, [ids[:6], ids[6:]], steps=5)
+    assert_matches_reference(reference, ids, tokens, logits)
 
 
 def test_on_layer_written_sees_each_layer_in_the_cache(models: Callable, paged_cache: type) -> None:

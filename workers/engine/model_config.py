@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 
 class ModelConfigError(ValueError):
@@ -17,19 +20,22 @@ class ModelConfigError(ValueError):
 
 
 @dataclass(frozen=True)
-class ArchitectureTraits:
-    """What an architecture fixes regardless of its config.json."""
+class ConfigTraits:
+    """What reading a family's config.json must know beyond the file: each model
+    class declares its own (models/registry.py), next to the modules it builds."""
 
-    qkv_bias: bool  # q/k/v projections always carry a bias (Qwen2)
-    qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    qkv_bias: bool = False  # q/k/v projections always carry a bias (Qwen2), whatever the file says
+    # Fields the family's Hugging Face config class defaults, where they differ from Llama's:
+    # a config.json may leave them out (Qwen: use_sliding_window false; Gemma: a tied head).
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    # hidden_act names the family's reference reads as another (Gemma: "gelu" is the tanh GELU)
+    hidden_act_aliases: Mapping[str, str] = field(default_factory=dict)
 
 
-# The architectures the engine serves; models/__init__.py maps the same names to classes.
-ARCHITECTURES: dict[str, ArchitectureTraits] = {
-    "LlamaForCausalLM": ArchitectureTraits(qkv_bias=False, qk_norm=False),
-    "MistralForCausalLM": ArchitectureTraits(qkv_bias=False, qk_norm=False),
-    "Qwen2ForCausalLM": ArchitectureTraits(qkv_bias=True, qk_norm=False),
-    "Qwen3ForCausalLM": ArchitectureTraits(qkv_bias=False, qk_norm=True),
+# hidden_act -> the MLP's activation, as transformers' ACT2FN computes it
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
 }
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -63,7 +69,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     mlp_bias: bool
-    qk_norm: bool
+    hidden_act: str  # a key of ACTIVATIONS
     max_model_len: int
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
@@ -118,11 +124,15 @@ class ModelConfig:
     def from_dict(cls, hf: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
         if not isinstance(hf, dict):
             raise ModelConfigError("config.json must hold a JSON object")
-        architecture = _architecture(hf)
-        traits = ARCHITECTURES[architecture]
-        if hf.get("hidden_act", "silu") != "silu":
-            raise ModelConfigError(f"hidden_act {hf['hidden_act']!r} is not supported (only 'silu')")
-        _reject_sliding_window(hf, architecture)
+        architecture, traits = _family(hf)
+        hf = {**traits.defaults, **hf}
+        hidden_act = hf.get("hidden_act", "silu")
+        hidden_act = traits.hidden_act_aliases.get(hidden_act, hidden_act)
+        if hidden_act not in ACTIVATIONS:
+            raise ModelConfigError(f"hidden_act {hidden_act!r} is not supported (one of {sorted(ACTIVATIONS)})")
+        if hf.get("use_bidirectional_attention"):
+            raise ModelConfigError("use_bidirectional_attention is not supported (only causal attention)")
+        _reject_sliding_window(hf)
         num_heads = _required(hf, "num_attention_heads")
         hidden_size = _required(hf, "hidden_size")
         head_dim = hf.get("head_dim")
@@ -152,7 +162,7 @@ class ModelConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=traits.qkv_bias or bool(hf.get("attention_bias", False)),
             mlp_bias=bool(hf.get("mlp_bias", False)),
-            qk_norm=traits.qk_norm,
+            hidden_act=hidden_act,
             max_model_len=_required(hf, "max_position_embeddings"),
             eos_token_ids=_token_ids(hf.get("eos_token_id"), (generation or {}).get("eos_token_id")),
             bos_token_id=hf.get("bos_token_id"),
@@ -160,15 +170,19 @@ class ModelConfig:
         )
 
 
-def _architecture(hf: dict[str, Any]) -> str:
+def _family(hf: dict[str, Any]) -> tuple[str, ConfigTraits]:
+    """The first of config.json's `architectures` that a model family serves, and its traits."""
+    # NOTE: imported here: the model classes, which import this module, declare the traits.
+    from disagg.workers.engine.models import MODEL_CLASSES
+
     architectures = hf.get("architectures")
     if not architectures or not isinstance(architectures, list):
         raise ModelConfigError("config.json has no 'architectures' list")
     for name in architectures:
-        if name in ARCHITECTURES:
-            return str(name)
+        if name in MODEL_CLASSES:
+            return str(name), MODEL_CLASSES[name].traits
     raise ModelConfigError(
-        f"unsupported architecture {architectures}: supported are {sorted(ARCHITECTURES)}")
+        f"unsupported architecture {architectures}: supported are {sorted(MODEL_CLASSES)}")
 
 
 def _required(hf: dict[str, Any], name: str) -> Any:
@@ -177,11 +191,12 @@ def _required(hf: dict[str, Any], name: str) -> Any:
     return hf[name]
 
 
-def _reject_sliding_window(hf: dict[str, Any], architecture: str) -> None:
-    # Qwen2/3 carry a `sliding_window` that only applies with `use_sliding_window`;
-    # Mistral-style configs apply theirs whenever it is shorter than the context.
+def _reject_sliding_window(hf: dict[str, Any]) -> None:
+    # A window applies unless `use_sliding_window` turns it off (families whose
+    # reference defaults that flag to false say so in their traits), and only
+    # when it is shorter than the context.
     window = hf.get("sliding_window")
-    applies = hf.get("use_sliding_window", architecture not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"))
+    applies = hf.get("use_sliding_window", True)
     if window is not None and applies and window < hf.get("max_position_embeddings", math.inf):
         raise ModelConfigError(f"sliding_window attention ({window}) is not supported")
     layer_types = set(hf.get("layer_types") or ["full_attention"])

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from disagg.workers.engine.model_config import ModelConfig, RopeScaling
+from disagg.workers.engine.model_config import ACTIVATIONS, ModelConfig, RopeScaling
 
 
 class RMSNorm(nn.Module):
@@ -98,15 +98,17 @@ class Linear(nn.Linear):
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)), with gate and up fused into one matmul."""
+    """down(act(gate(x)) * up(x)), with gate and up fused into one matmul; act is
+    config.hidden_act (SiLU for most families)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
+        self.act = ACTIVATIONS[config.hidden_act]
         # weight rows: [gate (intermediate) | up (intermediate)]
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)

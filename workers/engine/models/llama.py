@@ -1,8 +1,14 @@
-"""The Llama family (Llama 2/3, SmolLM2, Mistral-style): the base the other families vary."""
+"""The Llama family (Llama 2/3, SmolLM2, Mistral-style): the base the other families vary.
+
+A family on this layout subclasses LlamaForCausalLM and swaps parts (LlamaParts)
+or declares config traits; see qwen3.py and gemma.py.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -10,9 +16,10 @@ from torch import nn
 
 from disagg.workers.engine.attention import AttentionMetadata, build_metadata, paged_attention, write_kv
 from disagg.workers.engine.forward_batch import ForwardBatch
-from disagg.workers.engine.model_config import ModelConfig
+from disagg.workers.engine.model_config import ConfigTraits, ModelConfig
 from disagg.workers.engine.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rope, input_major
 from disagg.workers.engine.models.packing import PackedLinear, pack_linear_weights
+from disagg.workers.engine.models.registry import register
 
 
 class WeightLoadError(ValueError):
@@ -47,12 +54,21 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(tokens, self.q_size))
 
 
+@dataclass(frozen=True)
+class LlamaParts:
+    """The modules a family on the Llama layout may swap for its own."""
+
+    attention: type[LlamaAttention] = LlamaAttention
+    norm: type[RMSNorm] = RMSNorm  # every RMSNorm of the decoder layers and the final one
+    embedding: type[nn.Embedding] = nn.Embedding
+
+
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, attention_cls: type[LlamaAttention]) -> None:
+    def __init__(self, config: ModelConfig, parts: LlamaParts) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = attention_cls(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = parts.norm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = parts.attention(config)
+        self.post_attention_layernorm = parts.norm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
@@ -62,16 +78,16 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, attention_cls: type[LlamaAttention]) -> None:
+    def __init__(self, config: ModelConfig, parts: LlamaParts) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = parts.embedding(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             # It is also the output projection, whose matmul favours this layout;
             # the lookup of a few rows barely notices it.
             self.embed_tokens.weight = input_major(config.vocab_size, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(config)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, attention_cls) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, parts) for _ in range(config.num_layers))
+        self.norm = parts.norm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, on_layer_written: Callable[[int], None] | None) -> torch.Tensor:
@@ -93,13 +109,15 @@ _FUSED = {
 }
 
 
+@register("LlamaForCausalLM", "MistralForCausalLM")
 class LlamaForCausalLM(nn.Module):
-    attention_cls: type[LlamaAttention] = LlamaAttention
+    traits: ClassVar[ConfigTraits] = ConfigTraits()
+    parts: ClassVar[LlamaParts] = LlamaParts()
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, self.attention_cls)
+        self.model = LlamaModel(config, self.parts)
         # With tied embeddings the output projection is the embedding matrix itself
         # (until pack_weights gives it a packed copy).
         self.lm_head: nn.Module | None = None if config.tie_word_embeddings else \

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
-from disagg.workers.engine.model_config import ModelConfig
+from disagg.workers.engine.model_config import ConfigTraits, ModelConfig
 from disagg.workers.engine.models.layers import RMSNorm
-from disagg.workers.engine.models.llama import LlamaAttention, LlamaForCausalLM
+from disagg.workers.engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaParts
+from disagg.workers.engine.models.qwen2 import QWEN_DEFAULTS
+from disagg.workers.engine.models.registry import register
 
 
 class Qwen3Attention(LlamaAttention):
@@ -21,5 +25,7 @@ class Qwen3Attention(LlamaAttention):
         return torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
 
 
+@register("Qwen3ForCausalLM")
 class Qwen3ForCausalLM(LlamaForCausalLM):
-    attention_cls = Qwen3Attention
+    traits: ClassVar[ConfigTraits] = ConfigTraits(defaults=QWEN_DEFAULTS)
+    parts: ClassVar[LlamaParts] = LlamaParts(attention=Qwen3Attention)
