@@ -18,6 +18,7 @@ from disagg.workers.engine.config import EngineConfig
 from disagg.workers.engine.llm_engine import LLMEngine
 from disagg.workers.engine.outputs import RequestOutput
 from disagg.workers.engine.sampling_params import SamplingParams
+from disagg.testing.tiny_model import FAMILIES
 
 torch.set_num_threads(2)
 
@@ -86,7 +87,7 @@ def make_engine(tiny_model: Callable[..., Path]) -> Iterator[MakeEngine]:
 # --- against transformers ------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_equals_transformers_generate(family: str, make_engine: MakeEngine, tiny_model: Callable[..., Path]) -> None:
     import transformers
 
