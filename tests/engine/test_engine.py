@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from disagg.testing.tiny_model import FAMILIES
 from disagg.workers.engine.async_engine import AsyncEngine, EngineError, EngineStats
 from disagg.workers.engine.config import EngineConfig
 from disagg.workers.engine.llm_engine import LLMEngine
 from disagg.workers.engine.outputs import RequestOutput
 from disagg.workers.engine.sampling_params import SamplingParams
-from disagg.testing.tiny_model import FAMILIES
 
 torch.set_num_threads(2)
 
