@@ -131,9 +131,22 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1000:.0f} ms"
 
 
-def recommend(role: Role, spec: AutoscalerSpec, m: RoleMetrics, current: int) -> tuple[int, str]:
-    """The count the role's signals ask for right now, with the signal that decided it."""
-    n = m.pods_reporting  # pods actually serving: starting pods add nothing yet
+@dataclass(frozen=True)
+class Recommendation:
+    count: int
+    reason: str
+    signal: Literal["latency", "queue", "kv", "load", "down", "steady"]
+
+
+def recommend(role: Role, spec: AutoscalerSpec, m: RoleMetrics, current: int) -> Recommendation:
+    """The count the role's signals ask for right now, with the signal that decided it.
+
+    Latency, queue and KV signals scale the pods that serve (`pods_reporting`);
+    pods still starting count towards that, so a pass made while they start
+    does not ask again for what is already coming.
+    """
+    n = m.pods_reporting
+    settled = n >= current  # no pod is starting: a breach needs at least one more
     target = spec.target_s(role)
     p90 = m.ttft_p90_s if role == "prefill" else m.tpot_p90_s
     latency = (p90 or 0.0) / target  # no samples in the window: no traffic, no latency pressure
@@ -143,31 +156,47 @@ def recommend(role: Role, spec: AutoscalerSpec, m: RoleMetrics, current: int) ->
     unit = "prompt tokens/s" if role == "prefill" else "sequences"
     floor = math.ceil(load / (capacity * UTILISATION)) if capacity else 0
 
-    up: list[tuple[int, str]] = []
+    def more(count: int) -> int:
+        return max(count, current + 1) if settled else count
+
+    up: list[Recommendation] = []
     if latency > UP_RATIO:
-        up.append((max(current + 1, math.ceil(n * min(latency, MAX_GAIN))),
-                   f"p90 {name} {_ms(p90 or 0)} is over the target {_ms(target)}"))
+        up.append(Recommendation(more(math.ceil(n * min(latency, MAX_GAIN))),
+                                 f"p90 {name} {_ms(p90 or 0)} is over the target {_ms(target)}", "latency"))
     if role == "prefill" and m.requests_waiting > QUEUE_HIGH * n:
-        up.append((current + 1, f"{m.requests_waiting} requests wait on {n} prefill pods"))
+        up.append(Recommendation(more(n + 1), f"{m.requests_waiting} requests wait on {n} prefill pods", "queue"))
     if role == "decode" and m.kv_used_fraction > KV_HIGH:
-        up.append((max(current + 1, math.ceil(n * m.kv_used_fraction / KV_TARGET)),
-                   f"KV cache {m.kv_used_fraction:.0%} used"))
+        up.append(Recommendation(more(math.ceil(n * m.kv_used_fraction / KV_TARGET)),
+                                 f"KV cache {m.kv_used_fraction:.0%} used", "kv"))
     if floor > current:
-        up.append((floor, f"{load:.0f} {unit} need {floor} pods at {capacity:g} per pod"))
-    if up:
-        return max(up)
+        up.append(Recommendation(floor, f"{load:.0f} {unit} need {floor} pods at {capacity:g} per pod", "load"))
+    best = max(up, key=lambda r: r.count, default=None)
+    if best is not None and best.count > current:
+        return best
 
     # Down only when every signal is well under its band, and still safe on fewer pods.
-    busy = (latency >= DOWN_RATIO or m.kv_used_fraction >= KV_TARGET
+    within = f"p90 {name} {_ms(p90 or 0)} against the target {_ms(target)}: within the band"
+    busy = (latency >= DOWN_RATIO or m.kv_used_fraction >= KV_TARGET or best is not None
             or (role == "prefill" and m.requests_waiting > 0))
-    if busy or current <= 1:
-        return current, f"p90 {name} {_ms(p90 or 0)} against the target {_ms(target)}: within the band"
+    if busy or current <= 1 or not settled:
+        return Recommendation(current, within, "steady")
     for fewer in range(max(floor, 1), current):
-        scale = max(n, 1) / fewer  # each remaining pod takes this much more
+        scale = n / fewer  # each remaining pod takes this much more
         if latency * scale <= 1.0 and m.kv_used_fraction * scale <= KV_TARGET:
-            return fewer, (f"p90 {name} {_ms(p90 or 0)} and {load:.0f} {unit} fit on {fewer} pods "
-                           f"(target {_ms(target)})")
-    return current, f"p90 {name} {_ms(p90 or 0)}: one pod fewer would breach the target {_ms(target)}"
+            return Recommendation(fewer, f"p90 {name} {_ms(p90 or 0)} and {load:.0f} {unit} fit on {fewer} pods "
+                                         f"(target {_ms(target)})", "down")
+    return Recommendation(current, f"p90 {name} {_ms(p90 or 0)}: one pod fewer would breach the target "
+                                   f"{_ms(target)}", "steady")
+
+
+def attribute(prefill: Recommendation, decode: Recommendation, current: Mapping[Role, int]) -> Recommendation:
+    """A prefill's TTFT includes the wait for a decode slot (AddNewRequests reserves one first):
+    while the decode side is short of pods, a prefill scale-up on TTFT or queue alone is held."""
+    if (prefill.count > current["prefill"] and prefill.signal in ("latency", "queue")
+            and decode.count > current["decode"]):
+        return Recommendation(current["prefill"], f"{prefill.reason}, but decode is short of pods "
+                                                  f"({decode.reason}): TTFT waits on decode", "steady")
+    return prefill
 
 
 # --- steps 1, 3 and 4: one role's decision --------------------------------------
@@ -182,21 +211,21 @@ def _fresh(m: RoleMetrics | None, spec: AutoscalerSpec, now: float) -> str | Non
     return None
 
 
-def _decide_role(role: Role, spec: AutoscalerSpec, inp: RoleInput, st: RoleState,
+def _decide_role(role: Role, spec: AutoscalerSpec, inp: RoleInput, rec: Recommendation | None, st: RoleState,
                  now: float) -> tuple[RoleDecision, RoleState]:
     bounds = spec.bounds[role]
     current = inp.replicas
     clamped = min(max(current, bounds.min_replicas), bounds.max_replicas)
     stale = _fresh(inp.metrics, spec, now)
-    if stale is not None:
+    if stale is not None or rec is None:
+        stale = stale or HOLD_MISSING
         age = "no pod answered" if stale == HOLD_MISSING else (
             f"the oldest scrape is {now - inp.metrics.scraped_at:.0f} s old" if inp.metrics else "")
         # A gap forgets the run of observations: scale-down waits a full window again.
         return (RoleDecision(current, clamped, None, _outcome(current, clamped), stale,
                              f"holding: {role} metrics {stale.split('-')[1]} ({age})"),
                 replace(st, recommendations=(), observed_since=None))
-    assert inp.metrics is not None
-    raw, why = recommend(role, spec, inp.metrics, current)
+    raw, why = rec.count, rec.reason
     raw = min(max(raw, bounds.min_replicas), bounds.max_replicas)
     horizon = max(spec.scale_up_window_s, spec.scale_down_window_s)
     history = tuple((t, r) for t, r in st.recommendations if now - t <= horizon) + ((now, raw),)
@@ -230,8 +259,15 @@ def decide(spec: AutoscalerSpec, band: RatioBand | None, inputs: Mapping[Role, R
     """Both roles' desired counts for this pass, the band applied last."""
     decisions: dict[Role, RoleDecision] = {}
     states: dict[Role, RoleState] = {}
+    recs: dict[Role, Recommendation | None] = {}
     for role in ROLES:
-        decisions[role], states[role] = _decide_role(role, spec, inputs[role], state.roles[role], now)
+        m = inputs[role].metrics
+        recs[role] = recommend(role, spec, m, inputs[role].replicas) if _fresh(m, spec, now) is None and m else None
+    prefill, decode = recs["prefill"], recs["decode"]
+    if prefill is not None and decode is not None:
+        recs["prefill"] = attribute(prefill, decode, {r: inputs[r].replicas for r in ROLES})
+    for role in ROLES:
+        decisions[role], states[role] = _decide_role(role, spec, inputs[role], recs[role], state.roles[role], now)
     band_reason = None
     if band is not None:
         floor = {r: inputs[r].replicas if inputs[r].rollout_in_progress else spec.bounds[r].min_replicas
@@ -242,10 +278,10 @@ def decide(spec: AutoscalerSpec, band: RatioBand | None, inputs: Mapping[Role, R
             floor=Counts(floor["prefill"], floor["decode"]))
         band_reason = result.reason
         for role, count in (("prefill", result.counts.prefill), ("decode", result.counts.decode)):
-            d = decisions[role]
-            if count != d.desired:
-                decisions[role] = replace(d, desired=count, outcome=_outcome(d.current, count),
-                                          reason=f"{d.reason}; ratio band: {result.reason}")
+            rd = decisions[role]
+            if count != rd.desired:
+                decisions[role] = replace(rd, desired=count, outcome=_outcome(rd.current, count),
+                                          reason=f"{rd.reason}; ratio band: {result.reason}")
     for role in ROLES:
         if decisions[role].acted:
             states[role] = replace(states[role], last_scale_time=now)

@@ -300,3 +300,23 @@ def test_bad_metrics_are_refused() -> None:
         replace(metrics(0), kv_blocks_free=2000)
     with pytest.raises(ValueError, match="negative"):
         replace(metrics(0), requests_waiting=-1)
+
+
+def test_pods_still_starting_absorb_the_latency_signal() -> None:
+    """While asked-for pods start, the same breach does not ask again (no overshoot from start-up delay)."""
+    loop = Loop(parse({"scaleUpStabilizationSeconds": 0}), prefill=2, decode=2)
+    d = loop.step(prefill=metrics(loop.now + loop.period, pods=2, ttft=0.8))  # 1.6x the target
+    assert d.roles["prefill"].desired == 4
+    for _ in range(3):  # the two new pods start; the two old ones still see 1.6x
+        d = loop.step(prefill=metrics(loop.now + loop.period, pods=2, ttft=0.8))
+        assert d.roles["prefill"].desired == 4 and not d.roles["prefill"].acted
+    d = loop.step(prefill=metrics(loop.now + loop.period, pods=4, ttft=0.8))  # all serve, still over
+    assert d.roles["prefill"].desired == 6
+
+
+def test_ttft_that_waits_on_decode_scales_decode_not_prefill() -> None:
+    loop = Loop(parse({"scaleUpStabilizationSeconds": 0}), prefill=2, decode=2)
+    d = loop.step(prefill=metrics(loop.now + loop.period, ttft=1.5, waiting=10),
+                  decode=metrics(loop.now + loop.period, kv_free=10))
+    assert d.roles["decode"].outcome == "scale-up"
+    assert d.roles["prefill"].outcome == "hold" and "TTFT waits on decode" in d.roles["prefill"].reason
