@@ -64,7 +64,7 @@ class RoleMetrics:
     pods_reporting: int
     ttft_p90_s: float | None  # None: no first token in the window (no traffic)
     tpot_p90_s: float | None
-    requests_waiting: int
+    requests_waiting: int  # prefill: in its own queue; decode: waiting for a decode slot or for its KV
     requests_running: int
     kv_blocks_free: int
     kv_blocks_total: int
@@ -138,8 +138,13 @@ class Recommendation:
     signal: Literal["latency", "queue", "kv", "load", "down", "steady"]
 
 
-def recommend(role: Role, spec: AutoscalerSpec, m: RoleMetrics, current: int) -> Recommendation:
+def recommend(role: Role, spec: AutoscalerSpec, m: RoleMetrics, current: int,
+              ttft_waits_on_decode: bool = False) -> Recommendation:
     """The count the role's signals ask for right now, with the signal that decided it.
+
+    `ttft_waits_on_decode` (prefill only): the decode side is short of pods, so a
+    prefill's TTFT includes the wait for a decode slot (AddNewRequests reserves one
+    first) and says nothing about prefill; its own queue and load still do.
 
     Latency, queue and KV signals scale the pods that serve (`pods_reporting`);
     pods still starting count towards that, so a pass made while they start
@@ -160,11 +165,12 @@ def recommend(role: Role, spec: AutoscalerSpec, m: RoleMetrics, current: int) ->
         return max(count, current + 1) if settled else count
 
     up: list[Recommendation] = []
-    if latency > UP_RATIO:
+    if latency > UP_RATIO and not ttft_waits_on_decode:
         up.append(Recommendation(more(math.ceil(n * min(latency, MAX_GAIN))),
                                  f"p90 {name} {_ms(p90 or 0)} is over the target {_ms(target)}", "latency"))
     if role == "prefill" and m.requests_waiting > QUEUE_HIGH * n:
-        up.append(Recommendation(more(n + 1), f"{m.requests_waiting} requests wait on {n} prefill pods", "queue"))
+        up.append(Recommendation(more(math.ceil(n * min(m.requests_waiting / (QUEUE_HIGH * n), MAX_GAIN))),
+                                 f"{m.requests_waiting} requests wait on {n} prefill pods", "queue"))
     if role == "decode" and m.kv_used_fraction > KV_HIGH:
         up.append(Recommendation(more(math.ceil(n * m.kv_used_fraction / KV_TARGET)),
                                  f"KV cache {m.kv_used_fraction:.0%} used", "kv"))
@@ -175,7 +181,8 @@ def recommend(role: Role, spec: AutoscalerSpec, m: RoleMetrics, current: int) ->
         return best
 
     # Down only when every signal is well under its band, and still safe on fewer pods.
-    within = f"p90 {name} {_ms(p90 or 0)} against the target {_ms(target)}: within the band"
+    within = f"p90 {name} {_ms(p90 or 0)} against the target {_ms(target)}: " + (
+        "it waits on decode" if ttft_waits_on_decode and latency > UP_RATIO else "within the band")
     busy = (latency >= DOWN_RATIO or m.kv_used_fraction >= KV_TARGET or best is not None
             or (role == "prefill" and m.requests_waiting > 0))
     if busy or current <= 1 or not settled:
@@ -187,16 +194,6 @@ def recommend(role: Role, spec: AutoscalerSpec, m: RoleMetrics, current: int) ->
                                          f"(target {_ms(target)})", "down")
     return Recommendation(current, f"p90 {name} {_ms(p90 or 0)}: one pod fewer would breach the target "
                                    f"{_ms(target)}", "steady")
-
-
-def attribute(prefill: Recommendation, decode: Recommendation, current: Mapping[Role, int]) -> Recommendation:
-    """A prefill's TTFT includes the wait for a decode slot (AddNewRequests reserves one first):
-    while the decode side is short of pods, a prefill scale-up on TTFT or queue alone is held."""
-    if (prefill.count > current["prefill"] and prefill.signal in ("latency", "queue")
-            and decode.count > current["decode"]):
-        return Recommendation(current["prefill"], f"{prefill.reason}, but decode is short of pods "
-                                                  f"({decode.reason}): TTFT waits on decode", "steady")
-    return prefill
 
 
 # --- steps 1, 3 and 4: one role's decision --------------------------------------
@@ -260,12 +257,11 @@ def decide(spec: AutoscalerSpec, band: RatioBand | None, inputs: Mapping[Role, R
     decisions: dict[Role, RoleDecision] = {}
     states: dict[Role, RoleState] = {}
     recs: dict[Role, Recommendation | None] = {}
-    for role in ROLES:
-        m = inputs[role].metrics
-        recs[role] = recommend(role, spec, m, inputs[role].replicas) if _fresh(m, spec, now) is None and m else None
-    prefill, decode = recs["prefill"], recs["decode"]
-    if prefill is not None and decode is not None:
-        recs["prefill"] = attribute(prefill, decode, {r: inputs[r].replicas for r in ROLES})
+    for role in ("decode", "prefill"):  # decode first: whether prefill's TTFT is its own depends on it
+        m, current = inputs[role].metrics, inputs[role].replicas
+        decode = recs.get("decode")
+        waits = decode is not None and decode.count > inputs["decode"].replicas
+        recs[role] = recommend(role, spec, m, current, waits) if _fresh(m, spec, now) is None and m else None
     for role in ROLES:
         decisions[role], states[role] = _decide_role(role, spec, inputs[role], recs[role], state.roles[role], now)
     band_reason = None

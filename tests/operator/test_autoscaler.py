@@ -316,7 +316,15 @@ def test_pods_still_starting_absorb_the_latency_signal() -> None:
 
 def test_ttft_that_waits_on_decode_scales_decode_not_prefill() -> None:
     loop = Loop(parse({"scaleUpStabilizationSeconds": 0}), prefill=2, decode=2)
+    d = loop.step(prefill=metrics(loop.now + loop.period, ttft=1.5), decode=metrics(loop.now + loop.period, kv_free=10))
+    assert d.roles["decode"].outcome == "scale-up"
+    assert d.roles["prefill"].outcome == "hold" and "waits on decode" in d.roles["prefill"].reason
+
+
+def test_a_prefill_queue_scales_prefill_even_while_decode_is_short() -> None:
+    """Requests in the prefill's own queue wait on prefill compute, whatever the decode side does."""
+    loop = Loop(parse({"scaleUpStabilizationSeconds": 0}), prefill=2, decode=2)
     d = loop.step(prefill=metrics(loop.now + loop.period, ttft=1.5, waiting=10),
                   decode=metrics(loop.now + loop.period, kv_free=10))
     assert d.roles["decode"].outcome == "scale-up"
-    assert d.roles["prefill"].outcome == "hold" and "TTFT waits on decode" in d.roles["prefill"].reason
+    assert d.roles["prefill"].desired == 4  # 5 waiting per pod: doubled (the most one decision gives)
