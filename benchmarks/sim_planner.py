@@ -166,9 +166,10 @@ class Pod:
         return len(self.running) + len(self.reserved)
 
 
-def kv_blocks(req: Request) -> int:
-    """Blocks a sequence holds by its end; reserved whole on admission (a pessimistic decode)."""
-    return -(-(req.prompt_len + req.output_len) // BLOCK_SIZE)
+def kv_blocks(req: Request, tokens: int | None = None) -> int:
+    """Blocks `tokens` of the sequence take (all of it by default): a reservation takes the
+    prompt's (as `AddNewRequests` does), the rest is taken when decoding starts."""
+    return -(-(req.prompt_len + req.output_len if tokens is None else tokens) // BLOCK_SIZE)
 
 
 @dataclass
@@ -213,7 +214,7 @@ class Cluster:
         """Queued requests reserve a decode slot, then queue on the least-busy prefill."""
         while self.queue:
             rid, req = self.queue[0]
-            blocks = kv_blocks(req)
+            blocks = kv_blocks(req, req.prompt_len)
             decodes = [p for p in self.pods["decode"] if p.is_open(now) and p.num_slots_used < self.c.max_num_seqs
                        and p.kv_used + blocks <= KV_BLOCKS]
             prefills = [p for p in self.pods["prefill"] if p.is_open(now)]
@@ -236,6 +237,7 @@ class Cluster:
         self.outcomes[rid].ttft = now - req.arrival
         self.ttfts.append((now, now - req.arrival))
         del decode.reserved[rid]
+        decode.kv_used += kv_blocks(req) - kv_blocks(req, req.prompt_len)  # may overcommit, as preemption would
         self._advance(decode, now)
         decode.running[rid] = (decode.progress, req)
         heapq.heappush(decode.ends, (decode.progress + max(req.output_len - 1, 0), rid))
@@ -281,14 +283,14 @@ class Cluster:
         gen_rate = sum(n for _, _, n in self.started) / WINDOW_S
         used = sum(p.kv_used for p in decodes)
         return {
-            # Prefill waiting: its own queue (admitted, prompt not started). Decode waiting: requests
-            # refused a decode slot (held before any prefill, as AddNewRequests would retry them) and,
-            # as a decode worker reports it, reservations still waiting for their KV.
+            # As the workers report them (workers/pd): a prefill's waiting is its engine's queue, its
+            # running every other request it holds (prefilling, retrying AddNewRequests, decoding on
+            # a decode); a decode's waiting is its reservations still waiting for their KV.
             "prefill": RoleMetrics(now, len(prefills), p90(self.ttfts), None, queued,
-                                   in_pods - queued, 0, 0, prompt_rate, gen_rate),
-            "decode": RoleMetrics(now, len(decodes), None, p90(self.tpots),
-                                  len(self.queue) + sum(len(p.reserved) for p in decodes),
-                                  sum(len(p.running) for p in decodes), len(decodes) * KV_BLOCKS - used,
+                                   in_pods - queued + len(self.queue) + sum(len(p.running) for p in decodes),
+                                   0, 0, prompt_rate, gen_rate),
+            "decode": RoleMetrics(now, len(decodes), None, p90(self.tpots), sum(len(p.reserved) for p in decodes),
+                                  sum(len(p.running) for p in decodes), max(len(decodes) * KV_BLOCKS - used, 0),
                                   len(decodes) * KV_BLOCKS, prompt_rate, gen_rate),
         }
 
@@ -390,15 +392,16 @@ def ours(setup: Setup) -> Policy:
     return policy
 
 
-def hpa(setup: Setup, balanced_prompt: int) -> Policy:
+def hpa(setup: Setup, balanced_prompt: int, balanced_output: int) -> Policy:
     """The Kubernetes HPA formula per role: ceil(n x metric / target), ±10% tolerance, scale-up
     at most max(2n, n + 4) per pass, scale-down to the highest recommendation of 300 s.
-    Prefill: requests in flight per pod (target: what a pod holds at UTILISATION on the
-    balanced mix, by Little's law); decode: running sequences per pod."""
+    The metric is each role's requests in flight per pod (its running plus waiting, as the
+    worker reports them); the target is what a pod holds at UTILISATION on the balanced mix
+    (Little's law: a prefill holds its requests for their TTFT and their whole decode)."""
     c = setup.curves
     per_pod_rate = UTILISATION * c.prefill_tokens_per_s / balanced_prompt
-    targets = {"prefill": per_pod_rate * 2 * c.ttft_alone(balanced_prompt),
-               "decode": UTILISATION * setup.sequences_per_pod}
+    held_s = 2 * c.ttft_alone(balanced_prompt) + balanced_output * setup.tpot_target_s
+    targets = {"prefill": per_pod_rate * held_s, "decode": UTILISATION * setup.sequences_per_pod}
     history: dict[Role, deque[tuple[float, int]]] = {r: deque() for r in ROLES}
 
     def policy(now: float, counts: Mapping[Role, int], m: Mapping[Role, RoleMetrics]) -> Mapping[Role, int]:
@@ -466,7 +469,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         policies: list[tuple[str, Mapping[Role, int], Policy | None]] = [
             (f"static peak {top['prefill']}P:{top['decode']}D", top, None),
             (f"static average {mean['prefill']}P:{mean['decode']}D", mean, None),
-            ("HPA-style per role", low, hpa(setup, 512)),
+            ("HPA-style per role", low, hpa(setup, 512, 256)),
             ("ours", low, ours(setup)),
         ]
         for label, start, policy in policies:

@@ -38,6 +38,7 @@ UP_RATIO = 1.1
 DOWN_RATIO = 0.7
 MAX_GAIN = 2.0  # one decision at most doubles a role on a latency signal (queues inflate p90 without bound)
 UTILISATION = 0.8  # a pod's share of its profiled capacity the load floor plans for
+DOWN_HEADROOM = 0.9  # scale down only to a count that leaves the load floor this margin (hysteresis)
 KV_HIGH, KV_TARGET = 0.9, 0.75  # decode KV use: scale up above HIGH, to bring it back near TARGET
 QUEUE_HIGH = 1.0  # prefill requests waiting per pod that calls for another pod
 
@@ -138,13 +139,32 @@ class Recommendation:
     signal: Literal["latency", "queue", "kv", "load", "down", "steady"]
 
 
-def recommend(role: Role, spec: AutoscalerSpec, m: RoleMetrics, current: int,
-              ttft_waits_on_decode: bool = False) -> Recommendation:
-    """The count the role's signals ask for right now, with the signal that decided it.
+@dataclass(frozen=True)
+class Coupling:
+    """What one role's signals mean depends on the other: a prefill reserves its decode slot
+    (AddNewRequests, with the prompt's KV blocks) before it queues the prompt.
 
-    `ttft_waits_on_decode` (prefill only): the decode side is short of pods, so a
-    prefill's TTFT includes the wait for a decode slot (AddNewRequests reserves one
-    first) and says nothing about prefill; its own queue and load still do.
+    - `prefill_in_flight` (for decode): the requests the prefills hold, their running plus
+      waiting (none while their queue is over its band: then they all wait on prefill, those
+      refused a slot too, as the slots are held by the queue's reservations). Each needs a decode slot, so the decode's load is at least that; the excess
+      over the decode's own running plus waiting is the requests still retrying
+      AddNewRequests, a demand the decode's own metrics cannot see.
+    - `prefill_queued` (for decode): the prefills' own queue is over its band, so the
+      decode's reservations (its waiting) and the KV they hold wait on prefill: the decode
+      is judged on its running sequences and TPOT alone.
+    - `decode_short` (for prefill): the decode side asks for more pods, so a prefill's TTFT
+      includes the wait for a decode slot and says nothing about prefill; its own queue and
+      load still do.
+    """
+
+    prefill_in_flight: int = 0
+    prefill_queued: bool = False
+    decode_short: bool = False
+
+
+def recommend(role: Role, spec: AutoscalerSpec, m: RoleMetrics, current: int,
+              coupling: Coupling = Coupling()) -> Recommendation:
+    """The count the role's signals ask for right now, with the signal that decided it.
 
     Latency, queue and KV signals scale the pods that serve (`pods_reporting`);
     pods still starting count towards that, so a pass made while they start
@@ -157,7 +177,9 @@ def recommend(role: Role, spec: AutoscalerSpec, m: RoleMetrics, current: int,
     latency = (p90 or 0.0) / target  # no samples in the window: no traffic, no latency pressure
     name = "TTFT" if role == "prefill" else "TPOT"
     capacity = spec.bounds[role].capacity_per_pod
-    load = m.prompt_tokens_per_s if role == "prefill" else float(m.requests_running + m.requests_waiting)
+    own = m.requests_running if coupling.prefill_queued else m.requests_running + m.requests_waiting
+    load = m.prompt_tokens_per_s if role == "prefill" else float(max(own, coupling.prefill_in_flight))
+    kv_used = 0.0 if coupling.prefill_queued else m.kv_used_fraction
     unit = "prompt tokens/s" if role == "prefill" else "sequences"
     floor = math.ceil(load / (capacity * UTILISATION)) if capacity else 0
 
@@ -165,15 +187,15 @@ def recommend(role: Role, spec: AutoscalerSpec, m: RoleMetrics, current: int,
         return max(count, current + 1) if settled else count
 
     up: list[Recommendation] = []
+    ttft_waits_on_decode = role == "prefill" and coupling.decode_short
     if latency > UP_RATIO and not ttft_waits_on_decode:
         up.append(Recommendation(more(math.ceil(n * min(latency, MAX_GAIN))),
                                  f"p90 {name} {_ms(p90 or 0)} is over the target {_ms(target)}", "latency"))
     if role == "prefill" and m.requests_waiting > QUEUE_HIGH * n:
         up.append(Recommendation(more(math.ceil(n * min(m.requests_waiting / (QUEUE_HIGH * n), MAX_GAIN))),
                                  f"{m.requests_waiting} requests wait on {n} prefill pods", "queue"))
-    if role == "decode" and m.kv_used_fraction > KV_HIGH:
-        up.append(Recommendation(more(math.ceil(n * m.kv_used_fraction / KV_TARGET)),
-                                 f"KV cache {m.kv_used_fraction:.0%} used", "kv"))
+    if role == "decode" and kv_used > KV_HIGH:
+        up.append(Recommendation(more(math.ceil(n * kv_used / KV_TARGET)), f"KV cache {kv_used:.0%} used", "kv"))
     if floor > current:
         up.append(Recommendation(floor, f"{load:.0f} {unit} need {floor} pods at {capacity:g} per pod", "load"))
     best = max(up, key=lambda r: r.count, default=None)
@@ -183,13 +205,17 @@ def recommend(role: Role, spec: AutoscalerSpec, m: RoleMetrics, current: int,
     # Down only when every signal is well under its band, and still safe on fewer pods.
     within = f"p90 {name} {_ms(p90 or 0)} against the target {_ms(target)}: " + (
         "it waits on decode" if ttft_waits_on_decode and latency > UP_RATIO else "within the band")
-    busy = (latency >= DOWN_RATIO or m.kv_used_fraction >= KV_TARGET or best is not None
+    # With a profiled capacity, the load decides how few pods suffice (latency does not shrink
+    # in proportion to load: a pod's TPOT has a floor at batch 1) and latency only has to be
+    # within its target; without one, latency must be well under it and is projected linearly.
+    busy = (latency >= (1.0 if capacity else DOWN_RATIO) or kv_used >= KV_TARGET or best is not None
             or (role == "prefill" and m.requests_waiting > 0))
     if busy or current <= 1 or not settled:
         return Recommendation(current, within, "steady")
-    for fewer in range(max(floor, 1), current):
+    down_floor = math.ceil(load / (capacity * UTILISATION * DOWN_HEADROOM)) if capacity else 0
+    for fewer in range(max(down_floor, 1), current):
         scale = n / fewer  # each remaining pod takes this much more
-        if latency * scale <= 1.0 and m.kv_used_fraction * scale <= KV_TARGET:
+        if (capacity or latency * scale <= 1.0) and kv_used * scale <= KV_TARGET:
             return Recommendation(fewer, f"p90 {name} {_ms(p90 or 0)} and {load:.0f} {unit} fit on {fewer} pods "
                                          f"(target {_ms(target)})", "down")
     return Recommendation(current, f"p90 {name} {_ms(p90 or 0)}: one pod fewer would breach the target "
@@ -257,11 +283,16 @@ def decide(spec: AutoscalerSpec, band: RatioBand | None, inputs: Mapping[Role, R
     decisions: dict[Role, RoleDecision] = {}
     states: dict[Role, RoleState] = {}
     recs: dict[Role, Recommendation | None] = {}
+    fresh = {r: inputs[r].metrics if _fresh(inputs[r].metrics, spec, now) is None else None for r in ROLES}
+    p = fresh["prefill"]
+    queued = p is not None and p.requests_waiting > QUEUE_HIGH * p.pods_reporting
+    coupling = Coupling() if p is None else Coupling(
+        prefill_in_flight=0 if queued else p.requests_running + p.requests_waiting, prefill_queued=queued)
     for role in ("decode", "prefill"):  # decode first: whether prefill's TTFT is its own depends on it
-        m, current = inputs[role].metrics, inputs[role].replicas
+        m, current = fresh[role], inputs[role].replicas
         decode = recs.get("decode")
-        waits = decode is not None and decode.count > inputs["decode"].replicas
-        recs[role] = recommend(role, spec, m, current, waits) if _fresh(m, spec, now) is None and m else None
+        coupling = replace(coupling, decode_short=decode is not None and decode.count > inputs["decode"].replicas)
+        recs[role] = recommend(role, spec, m, current, coupling) if m is not None else None
     for role in ROLES:
         decisions[role], states[role] = _decide_role(role, spec, inputs[role], recs[role], state.roles[role], now)
     band_reason = None

@@ -321,10 +321,34 @@ def test_ttft_that_waits_on_decode_scales_decode_not_prefill() -> None:
     assert d.roles["prefill"].outcome == "hold" and "waits on decode" in d.roles["prefill"].reason
 
 
-def test_a_prefill_queue_scales_prefill_even_while_decode_is_short() -> None:
-    """Requests in the prefill's own queue wait on prefill compute, whatever the decode side does."""
+def test_a_prefill_backlog_scales_prefill_not_decode() -> None:
+    """The prefill's own queue is long: the decode's full KV is held by that queue's reservations
+    (AddNewRequests reserves before the prompt queues), so prefill scales and decode holds."""
     loop = Loop(parse({"scaleUpStabilizationSeconds": 0}), prefill=2, decode=2)
     d = loop.step(prefill=metrics(loop.now + loop.period, ttft=1.5, waiting=10),
-                  decode=metrics(loop.now + loop.period, kv_free=10))
-    assert d.roles["decode"].outcome == "scale-up"
+                  decode=metrics(loop.now + loop.period, kv_free=10, waiting=60))
     assert d.roles["prefill"].desired == 4  # 5 waiting per pod: doubled (the most one decision gives)
+    assert d.roles["decode"].outcome == "hold"
+
+
+def test_requests_retrying_add_new_requests_count_as_decode_load() -> None:
+    """A full decode cannot see the requests its AddNewRequests refused; the prefills hold them."""
+    loop = Loop(parse({"scaleUpStabilizationSeconds": 0,
+                       "decode": {"minReplicas": 1, "maxReplicas": 10, "sequencesPerPod": 10}}), prefill=2, decode=2)
+    d = loop.step(prefill=metrics(loop.now + loop.period, ttft=1.5, running=60),
+                  decode=metrics(loop.now + loop.period, running=20))
+    assert d.roles["decode"].desired == 4 and "60 sequences" in d.roles["decode"].reason  # max step 2
+    assert d.roles["prefill"].outcome == "hold" and "waits on decode" in d.roles["prefill"].reason
+
+
+def test_a_profiled_capacity_lets_load_decide_the_scale_down() -> None:
+    """TPOT does not fall in proportion to load (a batch of one still takes a step), so with a
+    profiled capacity the load floor, with its margin, decides how far down; TPOT must be in target."""
+    s = parse({"scaleDownStabilizationSeconds": 60, "maxStep": 8,
+               "decode": {"minReplicas": 1, "maxReplicas": 10, "sequencesPerPod": 10}})
+    loop = Loop(s, prefill=2, decode=8)
+    for _ in range(6):  # 30 sequences at 0.8 of the TPOT target: 30 / (10 * 0.8 * 0.9) -> 5 pods
+        d = loop.step(decode=metrics(loop.now + loop.period, pods=loop.counts["decode"], tpot=0.04, running=30))
+    assert loop.counts["decode"] == 5 and d.roles["decode"].outcome == "hold"
+    d = loop.step(decode=metrics(loop.now + loop.period, pods=5, tpot=0.052, running=30))  # over target: no lower
+    assert d.roles["decode"].desired == 5 and d.roles["decode"].hold == "steady"
