@@ -182,8 +182,9 @@ Policy = Callable[[float, Mapping[Role, int], Mapping[Role, RoleMetrics]], Mappi
 
 
 class Cluster:
-    def __init__(self, curves: Curves, counts: Mapping[Role, int]) -> None:
+    def __init__(self, curves: Curves, counts: Mapping[Role, int], startup_s: float = STARTUP_S) -> None:
         self.c = curves
+        self.startup_s = startup_s
         self.pods: dict[Role, list[Pod]] = {r: [Pod(r, 0.0, 0.0) for _ in range(counts[r])] for r in ROLES}
         self.events: list[tuple[float, int, str, Any]] = []
         self.seq = itertools.count()
@@ -299,8 +300,8 @@ class Cluster:
         if desired != len(live):
             self.actions += 1
         for _ in range(desired - len(live)):
-            self.pods[role].append(Pod(role, now + STARTUP_S, now, last=now))
-            self.at(now + STARTUP_S, "ready")
+            self.pods[role].append(Pod(role, now + self.startup_s, now, last=now))
+            self.at(now + self.startup_s, "ready")
         # Fewer: starting pods are cancelled first, then the least busy drain.
         for pod in sorted(live, key=lambda p: (p.ready_at <= now, len(p.queued) + p.num_slots_used))[
                 :max(len(live) - desired, 0)]:
@@ -429,8 +430,8 @@ def static(counts: Mapping[Role, int]) -> Policy:
 
 
 def simulate(setup: Setup, requests: Sequence[Request], start: Mapping[Role, int],
-             policy: Policy | None) -> dict[str, float]:
-    cluster = Cluster(setup.curves, start)
+             policy: Policy | None, startup_s: float = STARTUP_S) -> dict[str, float]:
+    cluster = Cluster(setup.curves, start, startup_s)
     cluster.run(requests, policy)
     good = sum(1 for o in cluster.outcomes.values() if o.ttft is not None and o.tpot is not None
                and o.ttft <= setup.ttft_target_s and o.tpot <= setup.tpot_target_s)
@@ -443,6 +444,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", type=Path, default=PROFILE)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--startup-s", type=float, default=STARTUP_S,
+                        help="decision to a new pod serving (pod start, model load, link)")
     parser.add_argument("--peak-decode-pods", type=float, default=8.0,
                         help="the balanced mix's peak load, in decode pods at full utilisation")
     args = parser.parse_args(argv)
@@ -457,7 +460,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{curves.tpot(1) * 1000:.1f} ms at 1 to {curves.tpot(curves.max_num_seqs) * 1000:.1f} ms at "
           f"{curves.max_num_seqs}\ntargets: p90 TTFT {setup.ttft_target_s * 1000:.0f} ms, TPOT "
           f"{setup.tpot_target_s * 1000:.1f} ms ({setup.sequences_per_pod} sequences per decode pod); "
-          f"peak {peak:.1f} req/s; pod start-up {STARTUP_S:.0f} s; control every {CONTROL_S:.0f} s\n")
+          f"peak {peak:.1f} req/s; pod start-up {args.startup_s:.0f} s; control every {CONTROL_S:.0f} s\n")
     print(f"| workload | policy | SLO attainment | goodput/pod (req/s) | avg pods | peak pods | scale actions |")
     print("|---|---|---|---|---|---|---|")
     for name, shape in workloads(peak).items():
@@ -473,7 +476,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ("ours", low, ours(setup)),
         ]
         for label, start, policy in policies:
-            f = simulate(setup, requests, start, policy)
+            f = simulate(setup, requests, start, policy, args.startup_s)
             print(f"| {name} | {label} | {f['attainment']:.1%} | {f['goodput_per_pod']:.2f} | {f['avg_pods']:.1f} "
                   f"| {f['peak_pods']:.0f} | {f['actions']:.0f} |", flush=True)
     print(f"\n{time.perf_counter() - began:.0f} s")
