@@ -11,20 +11,23 @@ judged here, on curves measured on the real engine by
   TPOT(b) for b running sequences (the profile's curve, made non-decreasing,
   linear between and beyond the points); it holds at most max_num_seqs
   sequences and a fixed KV pool;
-- as in the real system, a request first reserves a decode slot (the
-  prefill's AddNewRequests), then queues on the least-busy prefill: a request
-  waiting for either counts in the prefill's `requests_waiting` and its TTFT.
-Scale-up: a new pod serves STARTUP_S after the decision (the assumption: pod
-start, model load from the node's cache, link). Scale-down drains: the pod
+- as in the real system (workers/pd/prefill.py), a request first reserves a
+  decode slot with its prompt's KV blocks (AddNewRequests; refused, it waits
+  and retries), then queues on the least-busy prefill; the rest of its KV is
+  taken when it starts decoding. Its TTFT counts both waits. The metrics are
+  reported as the workers report theirs (see `Cluster.metrics`).
+Scale-up: a new pod serves STARTUP_S (or --startup-s) after the decision (the
+assumption: pod start, model load from the node's cache, link). Scale-down drains: the pod
 takes no new request, finishes what it has, then goes; it costs until then.
 
 Policies, side by side on the same traces: static (peak and average
 provisioning, from the trace's own 60 s demand), per-role HPA-style (the
-Kubernetes HPA formula on each role's own queue signal, no ratio), and ours
+Kubernetes HPA formula on each role's own requests in flight, no ratio), and ours
 (`disagg.operator.autoscaler.decide` with the spec parsed by
 `disagg.operator.scaling.parse_scaling`, every 15 s, on a 30 s metrics window).
 
     .venv/bin/python benchmarks/sim_planner.py [--profile benchmarks/profiles/tiny-llama-cpu.json] [--seed 0]
+                                               [--startup-s 60]
 """
 
 from __future__ import annotations

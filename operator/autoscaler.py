@@ -10,8 +10,10 @@ in short, per role:
 1. Missing or stale metrics: hold, and say so (never act on a guess).
 2. A raw recommendation from the role's signals: prefill follows prompt-token
    load, queued requests and p90 TTFT; decode follows running sequences, KV
-   pressure and p90 TPOT. Up when any signal is over its band, down only when
-   all are well under it, with projected values still safe (hysteresis).
+   pressure and p90 TPOT, each read through the other role's state (`Coupling`:
+   a prefill reserves its decode slot before its prompt queues). Up when any
+   signal is over its band, down only when all are well under it, with
+   projected values still safe (hysteresis).
 3. Stabilisation windows, as the HPA does them: up to the lowest
    recommendation of the short up window, down to the highest of the long
    down window, and down only once the window is fully observed.
