@@ -377,7 +377,7 @@ class Setup:
                 "decode": {"minReplicas": 1, "maxReplicas": MAX_PODS, "sequencesPerPod": self.sequences_per_pod},
                 "targets": {"ttftP90Ms": max(1, round(self.ttft_target_s * 1000)),
                             "tpotP90Ms": max(1, round(self.tpot_target_s * 1000))},
-                "scaleUpStabilizationSeconds": 15, "scaleDownStabilizationSeconds": 300, "maxStep": 4,
+                "scaleUpStabilizationSeconds": 0, "scaleDownStabilizationSeconds": 300, "maxStep": 4,
             },
         })
 

@@ -98,6 +98,7 @@ class RoleState:
 
     recommendations: tuple[tuple[float, int], ...] = ()  # (time, raw recommendation)
     observed_since: float | None = None  # first time of the unbroken run of fresh metrics
+    waiting: int | None = None  # requests waiting at the last fresh pass
     last_scale_time: float | None = None
 
 
@@ -165,8 +166,13 @@ class Coupling:
 
 
 def recommend(role: Role, spec: AutoscalerSpec, m: RoleMetrics, current: int,
-              coupling: Coupling = Coupling()) -> Recommendation:
+              coupling: Coupling = Coupling(), waiting_before: int | None = None) -> Recommendation:
     """The count the role's signals ask for right now, with the signal that decided it.
+
+    `waiting_before` (prefill): the queue at the last pass. A backlog that has at
+    least halved since is draining: the pods that serve outpace the arrivals, and
+    the window's p90 TTFT is the backlog's tail, not the present; neither latency
+    nor queue asks for pods then (new ones would serve after it drained).
 
     Latency, queue and KV signals scale the pods that serve (`pods_reporting`);
     pods still starting count towards that, so a pass made while they start
@@ -190,10 +196,12 @@ def recommend(role: Role, spec: AutoscalerSpec, m: RoleMetrics, current: int,
 
     up: list[Recommendation] = []
     ttft_waits_on_decode = role == "prefill" and coupling.decode_short
-    if latency > UP_RATIO and not ttft_waits_on_decode:
+    draining = (role == "prefill" and waiting_before is not None and waiting_before > QUEUE_HIGH * n
+                and 2 * m.requests_waiting <= waiting_before)
+    if latency > UP_RATIO and not ttft_waits_on_decode and not draining:
         up.append(Recommendation(more(math.ceil(n * min(latency, MAX_GAIN))),
                                  f"p90 {name} {_ms(p90 or 0)} is over the target {_ms(target)}", "latency"))
-    if role == "prefill" and m.requests_waiting > QUEUE_HIGH * n:
+    if role == "prefill" and m.requests_waiting > QUEUE_HIGH * n and not draining:
         up.append(Recommendation(more(math.ceil(n * min(m.requests_waiting / (QUEUE_HIGH * n), MAX_GAIN))),
                                  f"{m.requests_waiting} requests wait on {n} prefill pods", "queue"))
     if role == "decode" and kv_used > KV_HIGH:
@@ -206,7 +214,9 @@ def recommend(role: Role, spec: AutoscalerSpec, m: RoleMetrics, current: int,
 
     # Down only when every signal is well under its band, and still safe on fewer pods.
     within = f"p90 {name} {_ms(p90 or 0)} against the target {_ms(target)}: " + (
-        "it waits on decode" if ttft_waits_on_decode and latency > UP_RATIO else "within the band")
+        "within the band" if latency <= UP_RATIO and not draining
+        else f"a backlog drains ({waiting_before} -> {m.requests_waiting} waiting)" if draining
+        else "it waits on decode")
     # With a profiled capacity, the load decides how few pods suffice (latency does not shrink
     # in proportion to load: a pod's TPOT has a floor at batch 1) and latency only has to be
     # within its target; without one, latency must be well under it and is projected linearly.
@@ -249,13 +259,14 @@ def _decide_role(role: Role, spec: AutoscalerSpec, inp: RoleInput, rec: Recommen
         # A gap forgets the run of observations: scale-down waits a full window again.
         return (RoleDecision(current, clamped, None, _outcome(current, clamped), stale,
                              f"holding: {role} metrics {stale.split('-')[1]} ({age})"),
-                replace(st, recommendations=(), observed_since=None))
+                replace(st, recommendations=(), observed_since=None, waiting=None))
     raw, why = rec.count, rec.reason
     raw = min(max(raw, bounds.min_replicas), bounds.max_replicas)
     horizon = max(spec.scale_up_window_s, spec.scale_down_window_s)
     history = tuple((t, r) for t, r in st.recommendations if now - t <= horizon) + ((now, raw),)
     since = st.observed_since if st.observed_since is not None else now
-    st = replace(st, recommendations=history, observed_since=since)
+    st = replace(st, recommendations=history, observed_since=since,
+                 waiting=inp.metrics.requests_waiting if inp.metrics else None)
 
     desired = current
     hold: str | None = HOLD_STEADY
@@ -294,7 +305,8 @@ def decide(spec: AutoscalerSpec, band: RatioBand | None, inputs: Mapping[Role, R
         m, current = fresh[role], inputs[role].replicas
         decode = recs.get("decode")
         coupling = replace(coupling, decode_short=decode is not None and decode.count > inputs["decode"].replicas)
-        recs[role] = recommend(role, spec, m, current, coupling) if m is not None else None
+        recs[role] = (recommend(role, spec, m, current, coupling, state.roles[role].waiting)
+                      if m is not None else None)
     for role in ROLES:
         decisions[role], states[role] = _decide_role(role, spec, inputs[role], recs[role], state.roles[role], now)
     band_reason = None

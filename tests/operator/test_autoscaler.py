@@ -352,3 +352,15 @@ def test_a_profiled_capacity_lets_load_decide_the_scale_down() -> None:
     assert loop.counts["decode"] == 5 and d.roles["decode"].outcome == "hold"
     d = loop.step(decode=metrics(loop.now + loop.period, pods=5, tpot=0.052, running=30))  # over target: no lower
     assert d.roles["decode"].desired == 5 and d.roles["decode"].hold == "steady"
+
+
+def test_a_draining_backlog_asks_for_no_more_prefill() -> None:
+    """Once the pods that serve outpace arrivals, the window's p90 TTFT is the backlog's tail."""
+    loop = Loop(parse({"scaleUpStabilizationSeconds": 0, "maxStep": 8}), prefill=4, decode=2)
+    d = loop.step(prefill=metrics(loop.now + loop.period, pods=4, ttft=20.0, waiting=400))
+    assert d.roles["prefill"].desired == 8
+    loop.counts["prefill"] = 4  # as if those pods were still starting: the backlog's trend decides
+    d = loop.step(prefill=metrics(loop.now + loop.period, pods=4, ttft=30.0, waiting=150))
+    assert d.roles["prefill"].outcome == "hold" and "a backlog drains (400 -> 150 waiting)" in d.roles["prefill"].reason
+    d = loop.step(prefill=metrics(loop.now + loop.period, pods=4, ttft=30.0, waiting=140))  # stalled: over again
+    assert d.roles["prefill"].desired == 8
