@@ -86,6 +86,8 @@ def worker_args(role: str, spec: ClusterSpec) -> list[str]:
         "--dtype", e.dtype,
         "--block-size", str(e.block_size),
         "--max-num-seqs", str(e.max_num_seqs),
+        # NOTE: no cluster key until the operator makes one per cluster (a Secret, issue 15 item 1).
+        "--insecure",
     ]
     if e.num_kv_blocks is not None:
         args += ["--num-kv-blocks", str(e.num_kv_blocks)]

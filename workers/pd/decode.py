@@ -116,7 +116,7 @@ class DecodeRole(EngineBackend[PDAsyncEngine]):
             return
         try:
             session = await asyncio.to_thread(self._transport.connect, info.transfer_address,
-                                              self._config.link_timeout_s)  # fmt: skip
+                                              self._config.link_timeout_s, info.name)  # fmt: skip
         except LinkRefusedError as exc:
             raise LinkRefused(str(exc)) from exc
         except TransferTimeout as exc:

@@ -366,11 +366,15 @@ class KVTransport(ABC):
         """Listen for peers on host:port (0 picks a free port). Returns the bound "host:port"."""
 
     @abstractmethod
-    def connect(self, address: str, timeout: float) -> TransferSession:
+    def connect(self, address: str, timeout: float, expect_name: str | None = None) -> TransferSession:
         """Open the data path to the peer listening at `address` and handshake.
 
+        Args:
+            expect_name: the instance the link names; a peer answering under
+                another name is refused.
         Raises LinkRefusedError with the peer's reason when it refuses (a
-        layout mismatch names the fields that differ), TransferTimeout when it does not answer within `timeout`.
+        layout mismatch names the fields that differ; a wrong cluster key only
+        "authentication failed"), TransferTimeout when it does not answer within `timeout`.
         """
 
     @abstractmethod
