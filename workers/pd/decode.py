@@ -164,6 +164,9 @@ class DecodeRole(EngineBackend[PDAsyncEngine]):
         inc = self._incoming.get(first.req_id)
         if inc is None or inc.started:
             raise UnknownRequest(f"no reserved request {first.req_id!r} waits for its first token here")
+        if not 0 <= first.token_id < self.model.vocab_size:  # it would fail the next step of every request
+            await self.refuse_first(first.req_id, f"first token id {first.token_id} is outside the vocabulary "
+                                                  f"[0, {self.model.vocab_size})")  # fmt: skip
         inc.started = True
         try:
             if first.mode is TransferMode.PULL:

@@ -17,6 +17,7 @@ from disagg.proto import disagg_pd_pb2 as pb
 from disagg.workers.metrics import WorkerMetrics
 from disagg.workers.pd.convert import cluster_id, rank0_transfer_address
 from disagg.workers.transfer import TransferSession
+from disagg.workers.transfer.link import parse_address
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +41,10 @@ class InstanceInfo:
         address = rank0_transfer_address(msg.addrs, msg.cluster_ids)
         if address is None:
             raise ValueError(f"instance {msg.instance_name}: neither addrs nor cluster_ids names a transfer endpoint")
-        host, sep, port = address.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ValueError(f"instance {msg.instance_name}: transfer address {address!r} is not host:port")
+        try:
+            parse_address(address)
+        except ValueError as exc:
+            raise ValueError(f"instance {msg.instance_name}: {exc}") from None
         return cls(msg.instance_name, address)
 
     def to_proto(self) -> pb.InstanceClusterInfo:
