@@ -6,6 +6,7 @@ rogue is a client with no key or another one, over real sockets.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import Callable
@@ -14,6 +15,7 @@ from typing import Any
 import grpc
 import httpx
 import pytest
+import torch
 
 from disagg.proto import disagg_pd_pb2 as pb, disagg_pd_pb2_grpc, xllm_service_pb2_grpc
 from disagg.workers.engine.sampling_params import SamplingParams
@@ -22,7 +24,7 @@ from disagg.workers.pd.links import InstanceInfo
 from disagg.workers.pd.messages import NewRequest
 from disagg.workers.security.control import METADATA_KEY, control_channel
 from disagg.workers.security.key import ClusterKey
-from disagg.workers.transfer import LinkRefusedError, create_transport
+from disagg.workers.transfer import LinkRefusedError, TransferError, create_transport
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 PROMPT = [5, 9, 13, 17, 21, 25]
@@ -179,5 +181,32 @@ async def test_hostile_values_fail_alone_before_the_engine(pd_pair: Callable[...
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await pair.stub.FirstGeneration(pb.DisaggGenerationsRequests(multi_gens=[first]), timeout=10)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "vocabulary" in str(err.value.details())
+        assert _free(pair) == before
+        await _serves(pair)
+
+
+@pytest.mark.parametrize("mode", ["PUSH", "PULL"])
+async def test_a_linked_peer_touches_only_the_blocks_of_its_own_requests(pd_pair: Callable[..., Any], mode: str) -> None:
+    """Even with the key, a WRITE or READ outside the blocks of the peer's own requests is refused."""
+    async with pd_pair(mode) as pair:
+        await _serves(pair)  # grants come and go with a request...
+        transports = (pair.prefill.role._transport, pair.decode.role._transport)
+        deadline = time.monotonic() + 10
+        while any(t.access.granted() for t in transports) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert [t.access.granted() for t in transports] == [0, 0], "...and none outlives it"
+        before = _free(pair)
+        transports[0].pool[:, 7] = 3.0  # a free prefill block with a mark the decode's block 9 lacks
+        kept = transports[1].pool[:, 9].clone()
+        to_decode = pair.prefill.role.peers.get(pair.decode_config.instance_name)
+        to_prefill = pair.decode.role.peers.get(pair.prefill_config.instance_name)
+        attempts = [lambda: to_decode.push(0, [7], [9]), lambda: to_prefill.pull([7], [9]),
+                    lambda: to_decode.pull([9], [7]), lambda: to_prefill.push(0, [9], [7])]  # fmt: skip
+        for attempt in attempts:
+            with pytest.raises(TransferError, match="not granted"):
+                await asyncio.to_thread(attempt().wait, 10)
+        assert torch.equal(transports[1].pool[:, 9], kept) and not torch.equal(kept, transports[0].pool[:, 7])
+        assert _failures(pair, "transfer") == 4
+        assert to_decode.is_open and to_prefill.is_open, "a refused frame fails alone, not the link"
         assert _free(pair) == before
         await _serves(pair)

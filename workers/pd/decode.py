@@ -40,7 +40,7 @@ from disagg.workers.pd.errors import (
 )
 from disagg.workers.pd.links import InstanceInfo, PeerTable
 from disagg.workers.pd.messages import Admission, FirstToken, NewRequest, Reservation, TransferMode
-from disagg.workers.transfer import KVTransport, LinkRefusedError, TransferError, TransferTimeout
+from disagg.workers.transfer import Access, KVTransport, LinkRefusedError, TransferError, TransferTimeout
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +157,7 @@ class DecodeRole(EngineBackend[PDAsyncEngine]):
             log.warning("request %s refused: %s", req.req_id, exc)
             return Reservation(req.req_id, Admission.REFUSED, [])
         self._incoming[req.req_id] = _Incoming(req, prefill, blocks)
+        self._transport.access.allow(prefill, req.req_id, blocks, Access.WRITE)  # its pushes, until FirstGeneration
         return Reservation(req.req_id, Admission.OK, blocks)
 
     async def first_generation(self, first: FirstToken) -> None:
@@ -168,6 +169,7 @@ class DecodeRole(EngineBackend[PDAsyncEngine]):
             await self.refuse_first(first.req_id, f"first token id {first.token_id} is outside the vocabulary "
                                                   f"[0, {self.model.vocab_size})")  # fmt: skip
         inc.started = True
+        self._transport.access.revoke(first.req_id)
         try:
             if first.mode is TransferMode.PULL:
                 await self._pull(inc, first)
@@ -253,6 +255,7 @@ class DecodeRole(EngineBackend[PDAsyncEngine]):
 
     async def _drop(self, req_id: str, reason: str) -> None:
         inc = self._incoming.pop(req_id, None)
+        self._transport.access.revoke(req_id)
         if inc is None:
             return
         log.info("dropping request %s: %s", req_id, reason)

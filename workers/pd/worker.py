@@ -23,7 +23,7 @@ from disagg.workers.pd.messages import TransferMode
 from disagg.workers.pd.prefill import PrefillRole
 from disagg.workers.pd.service import build_grpc_server
 from disagg.workers.security.control import ControlGuard
-from disagg.workers.transfer import KVLayout, create_transport
+from disagg.workers.transfer import BlockAccess, KVLayout, create_transport
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,8 @@ def build_worker(engine_config: EngineConfig, server_config: ServerConfig,
     key = server_config.cluster_key
     transport = create_transport(server_config.kv_transport.value, llm.kv_cache.tensor, layout, name, name,
                                  num_connections=connections, key=key,
-                                 on_auth_failure=lambda: metrics.count_auth_failure("transfer"))  # fmt: skip
+                                 on_auth_failure=lambda: metrics.count_auth_failure("transfer"),
+                                 access=BlockAccess(on_refused=lambda: metrics.count_auth_failure("transfer")))  # fmt: skip
     bound = transport.start(server_config.host, server_config.transfer_port)
     transfer_address = f"{server_config.instance_host}:{bound.rpartition(':')[2]}"
     engine = PDAsyncEngine(llm)

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from disagg.workers.transfer.access import Access, BlockAccess
 from disagg.workers.transfer.base import (
     KVLayout,
     KVTransport,
@@ -46,6 +47,8 @@ def create_transport(
 
 __all__ = [
     "TRANSPORTS",
+    "Access",
+    "BlockAccess",
     "KVLayout",
     "KVTransport",
     "LinkRefusedError",

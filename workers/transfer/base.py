@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from disagg.workers.transfer.access import BlockAccess
+
 
 class TransferError(RuntimeError):
     """A transfer failed (peer error, checksum mismatch, connection lost)."""
@@ -354,6 +356,8 @@ class KVTransport(ABC):
         self.layout = layout
         self.instance_name = instance_name
         self.grpc_address = grpc_address
+        # Which blocks each peer may touch; unchecked unless a subclass is given an enforcing one.
+        self.access = BlockAccess(enforce=False)
         # Called on a transport thread with each peer whose handshake was accepted.
         self.on_link: Callable[[TransferSession], None] | None = None
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from disagg.workers.transfer.access import BlockAccess
 from disagg.workers.transfer.base import (
     KVLayout,
     KVTransport,
@@ -79,6 +80,7 @@ class LinkedTransport(KVTransport):
         key: ClusterKey | None = None,
         on_auth_failure: Callable[[], None] | None = None,
         max_pending: int = DEFAULT_MAX_PENDING,
+        access: BlockAccess | None = None,
     ) -> None:
         """
         Args:
@@ -89,6 +91,8 @@ class LinkedTransport(KVTransport):
             key: the cluster key both ends of a link must prove; None: no authentication.
             on_auth_failure: called for each handshake refused for its proof.
             max_pending: connections handshaking or parked at once; more are closed at accept.
+            access: the grants every WRITE/READ frame of a peer is checked against
+                (None: any block of the pool, as for a bare transport).
         """
         super().__init__(pool, layout, instance_name, grpc_address)
         if not 1 <= num_connections <= 64:
@@ -101,6 +105,8 @@ class LinkedTransport(KVTransport):
         if max_pending < 1:
             raise ValueError(f"max_pending must be at least 1, got {max_pending}")
         self._key = key
+        if access is not None:
+            self.access = access
         self._on_auth_failure = on_auth_failure
         self._pending_slots = threading.BoundedSemaphore(max_pending)
         self._listener: socket.socket | None = None
