@@ -210,3 +210,19 @@ async def test_a_linked_peer_touches_only_the_blocks_of_its_own_requests(pd_pair
         assert to_decode.is_open and to_prefill.is_open, "a refused frame fails alone, not the link"
         assert _free(pair) == before
         await _serves(pair)
+
+
+async def test_a_decode_takes_kv_only_on_the_links_it_opened(pd_pair: Callable[..., Any], kit: Any) -> None:
+    """Even with the key, a peer posing as the decode's prefill cannot open a data path into the decode."""
+    async with pd_pair() as pair:
+        transport = pair.decode.role._transport
+        impostor = create_transport("tcp", transport.pool.clone(), transport.layout,
+                                    pair.prefill_config.instance_name, pair.prefill_config.instance_name,
+                                    num_connections=1, key=kit.key)  # fmt: skip
+        try:
+            with pytest.raises(LinkRefusedError, match="accepts none"):
+                impostor.connect(f"127.0.0.1:{pair.decode_config.transfer_port}", timeout=10)
+        finally:
+            impostor.close()
+        assert pair.decode.role.peers.get(pair.prefill_config.instance_name).is_open, "its own link is untouched"
+        await _serves(pair)

@@ -78,7 +78,8 @@ def build_worker(engine_config: EngineConfig, server_config: ServerConfig,
     transport = create_transport(server_config.kv_transport.value, llm.kv_cache.tensor, layout, name, name,
                                  num_connections=connections, key=key,
                                  on_auth_failure=lambda: metrics.count_auth_failure("transfer"),
-                                 access=BlockAccess(on_refused=lambda: metrics.count_auth_failure("transfer")))  # fmt: skip
+                                 access=BlockAccess(on_refused=lambda: metrics.count_auth_failure("transfer")),
+                                 accepts_links=server_config.role is Role.PREFILL)  # a decode opens its own  # fmt: skip
     bound = transport.start(server_config.host, server_config.transfer_port)
     transfer_address = f"{server_config.instance_host}:{bound.rpartition(':')[2]}"
     engine = PDAsyncEngine(llm)

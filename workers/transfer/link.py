@@ -81,6 +81,7 @@ class LinkedTransport(KVTransport):
         on_auth_failure: Callable[[], None] | None = None,
         max_pending: int = DEFAULT_MAX_PENDING,
         access: BlockAccess | None = None,
+        accepts_links: bool = True,
     ) -> None:
         """
         Args:
@@ -93,6 +94,8 @@ class LinkedTransport(KVTransport):
             max_pending: connections handshaking or parked at once; more are closed at accept.
             access: the grants every WRITE/READ frame of a peer is checked against
                 (None: any block of the pool, as for a bare transport).
+            accepts_links: False refuses every handshaken link this side did not open
+                (a decode: KV comes only on the links it opened, to the prefills it named).
         """
         super().__init__(pool, layout, instance_name, grpc_address)
         if not 1 <= num_connections <= 64:
@@ -105,6 +108,7 @@ class LinkedTransport(KVTransport):
         if max_pending < 1:
             raise ValueError(f"max_pending must be at least 1, got {max_pending}")
         self._key = key
+        self._accepts_links = accepts_links
         if access is not None:
             self.access = access
         self._on_auth_failure = on_auth_failure
@@ -244,6 +248,8 @@ class LinkedTransport(KVTransport):
             threading.Thread(target=self._serve_handshake, args=(sock,), daemon=True).start()
 
     def _refusal(self, hello: Hello) -> str | None:
+        if not self._accepts_links:
+            return f"{self.instance_name} opens its links itself and accepts none"
         if hello.peer.name == self.instance_name:
             return "a worker cannot link to itself"
         if hello.transport != self.name:
