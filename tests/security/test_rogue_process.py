@@ -76,3 +76,16 @@ def test_a_rogue_process_without_the_key_gets_nothing(keyed_pair: tuple[WorkerPr
     assert [w.metric("disagg_kv_blocks_free") for w in keyed_pair] == free
     assert prefill.metric("disagg_links") == 1, "the real link survived"
     assert _complete(prefill) == reference
+
+
+def test_insecure_is_said_at_start_and_in_health(keyed_pair: tuple[WorkerProcess, ...], tiny_model_dir: Path,
+                                                 tmp_path: Path) -> None:  # fmt: skip
+    assert httpx.get(f"{keyed_pair[0].base_url}/health", timeout=10).json()["insecure"] is False
+    worker = spawn_worker("decode", str(tiny_model_dir), tmp_path / "insecure.log", ENGINE_ARGS,
+                          env={"OMP_NUM_THREADS": "1"}, key_file=None)  # fmt: skip
+    try:
+        worker.wait_loaded(STARTUP_S)
+        assert httpx.get(f"{worker.base_url}/health", timeout=10).json()["insecure"] is True
+        assert "INSECURE" in worker.log()
+    finally:
+        assert worker.stop(grace_s=20.0) == 0, worker.log()
