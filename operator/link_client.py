@@ -10,6 +10,8 @@ import grpc
 
 from disagg.operator.links import Endpoint, LinkOp, LinkResult
 from disagg.proto import disagg_pd_pb2_grpc
+from disagg.workers.security.control import control_channel
+from disagg.workers.security.key import ClusterKey
 
 
 class LinkClient:
@@ -20,8 +22,10 @@ class LinkClient:
     no handler ever sleeps.
     """
 
-    def __init__(self, timeout_s: float = 5.0, concurrency: int = 64) -> None:
+    def __init__(self, timeout_s: float = 5.0, concurrency: int = 64, key: ClusterKey | None = None) -> None:
+        """`key`: the cluster key every call is signed with (None: the workers run --insecure)."""
         self.timeout_s = timeout_s
+        self._key = key
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._limit = asyncio.Semaphore(concurrency)
         self.calls = 0  # RPCs sent, for the benchmark
@@ -30,7 +34,7 @@ class LinkClient:
         address = target.instance_name
         channel = self._channels.get(address)
         if channel is None:
-            channel = grpc.aio.insecure_channel(address)
+            channel = control_channel(address, self._key)
             self._channels[address] = channel
         return disagg_pd_pb2_grpc.DisaggPDServiceStub(channel)
 

@@ -76,6 +76,8 @@ def worker_args(role: str, spec: ClusterSpec) -> list[str]:
         "--http-port", str(HTTP_PORT),
         "--grpc-port", str(GRPC_PORT),
         "--transfer-port", str(TRANSFER_PORT),
+        # NOTE: no cluster key until the operator makes one per cluster (a Secret, issue 15 item 1).
+        "--insecure",
     ]
     for flag, value in flag_values(spec, role):
         args += [flag, str(value)]

@@ -102,7 +102,7 @@ class InstanceInfo:
         if address is None:
             raise ValueError(f"instance {msg.instance_name}: neither addrs nor cluster_ids names a transfer endpoint")
         host, sep, port = address.rpartition(":")
-        if not sep or not host or not port.isdigit():
+        if not sep or not host or not port.isdigit() or not 0 < int(port) <= MAX_PORT:
             raise ValueError(f"instance {msg.instance_name}: transfer address {address!r} is not host:port")
         return cls(msg.instance_name, address)
 

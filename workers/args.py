@@ -12,6 +12,7 @@ from typing import Any
 from disagg.proto.vocabulary import DEVICES, DTYPES, TRANSFER_MODES, TRANSPORTS
 from disagg.workers.config import Role, ServerConfig, TransferMode, Transport
 from disagg.workers.engine.config import EngineConfig
+from disagg.workers.security.key import KEY_FILE_ENV, ClusterKey, default_key_file
 
 
 def _default(cls: type, name: str) -> Any:
@@ -44,6 +45,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                     default=_default(s, "kv_transport").value, help="default %(default)s")
     kv.add_argument("--kv-connections", type=int, default=_default(s, "kv_connections"),
                     help="TCP connections a decode opens per link (default: one per two usable CPUs, 1 to 4)")
+    add_key_arguments(p)
+    sec = p.add_argument_group("security")
+    sec.add_argument("--allow-anonymous-peers", action="store_true",
+                     help="accept gRPC and HTTP link calls that carry no credential (an xLLM peer); a wrong one "
+                          "is still refused")
     eng = p.add_argument_group("engine")
     eng.add_argument("--model", required=True,
                      help="a Hugging Face model folder, a GGUF file, or builtin:smollm2-135m")
@@ -62,6 +68,24 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                      help="context length served (default: the model's)")
     eng.add_argument("--seed", type=int, default=_default(e, "seed"),
                      help="seed of requests that give none (default %(default)s)")
+
+
+def add_key_arguments(p: argparse.ArgumentParser) -> None:
+    """--cluster-key-file and --insecure, shared by serve, link, unlink and demo."""
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--cluster-key-file", default=default_key_file(), metavar="PATH",
+                       help=f"the cluster's shared key (default: ${KEY_FILE_ENV})")
+    group.add_argument("--insecure", action="store_true",
+                       help="no cluster key: anyone who reaches the ports can link, send requests and read KV")
+
+
+def cluster_key(args: argparse.Namespace) -> ClusterKey | None:
+    """The key named by --cluster-key-file; None with --insecure. ValueError when neither is given."""
+    if args.insecure:
+        return None
+    if not args.cluster_key_file:
+        raise ValueError(f"give --cluster-key-file PATH (or set {KEY_FILE_ENV}), or --insecure on purpose")
+    return ClusterKey.from_file(args.cluster_key_file)
 
 
 def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
@@ -88,5 +112,8 @@ def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]
         kv_transfer_mode=TransferMode(args.kv_transfer_mode),
         kv_transport=Transport(args.kv_transport),
         kv_connections=args.kv_connections,
+        cluster_key=None if args.role == Role.MIXED.value and not args.cluster_key_file else cluster_key(args),
+        insecure=args.insecure,
+        allow_anonymous_peers=args.allow_anonymous_peers,
     )
     return engine, server

@@ -24,6 +24,8 @@ from disagg.proto.vocabulary import (
     Transport,
 )
 
+from disagg.workers.security.key import ClusterKey
+
 __all__ = ["Role", "ServerConfig", "TransferMode", "Transport", "default_kv_connections", "usable_cpus"]
 
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")  # cgroup v2: "<quota> <period>" or "max <period>"
@@ -52,6 +54,13 @@ class ServerConfig:
     # Seconds to let in-flight requests finish after SIGTERM before the
     # server closes their connections.
     graceful_shutdown_s: float = 30.0
+    # The cluster key that authenticates gRPC, the HTTP link routes and the
+    # transfer handshake (docs/security.md). A prefill or decode needs it,
+    # or `insecure` said on purpose.
+    cluster_key: ClusterKey | None = None
+    insecure: bool = False
+    # Accept control calls that carry no credential at all (an xLLM peer); a wrong one is still refused.
+    allow_anonymous_peers: bool = False
 
     def __post_init__(self) -> None:
         for name in ("http_port", "grpc_port", "transfer_port"):
@@ -70,6 +79,13 @@ class ServerConfig:
             raise ValueError("served_model_name must not be blank")
         if self.graceful_shutdown_s < 0:
             raise ValueError(f"graceful_shutdown_s must be >= 0, got {self.graceful_shutdown_s}")
+        if self.cluster_key is not None and self.insecure:
+            raise ValueError("a cluster key and --insecure exclude each other")
+        if self.role is not Role.MIXED and self.cluster_key is None and not self.insecure:
+            raise ValueError(
+                f"a {self.role.value} worker needs the cluster key: --cluster-key-file PATH (or the environment "
+                "variable DISAGG_CLUSTER_KEY_FILE); --insecure runs without authentication, for a trusted network only"
+            )
         if self.kv_connections is not None and not 1 <= self.kv_connections <= MAX_KV_CONNECTIONS:
             raise ValueError(f"kv_connections must be between 1 and {MAX_KV_CONNECTIONS}, got {self.kv_connections}")
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 
 from disagg.workers.local import WorkerFailed, WorkerProcess, link, spawn_worker
+from disagg.workers.security.key import ClusterKey
 
 DEFAULT_MODEL = "builtin:smollm2-135m"
 SERVED_NAME = "smollm2"
@@ -42,6 +43,8 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--serve", action="store_true",
                    help="after the prompts, keep the workers running for your own client until Ctrl-C")
     p.add_argument("--log-dir", type=Path, default=None, help="where the workers' logs go (default: a temp folder)")
+    p.add_argument("--cluster-key-file", type=Path, default=None, metavar="PATH",
+                   help="the key the two workers share (default: a random one, made for this run in the log folder)")
 
 
 @dataclass(frozen=True)
@@ -70,13 +73,22 @@ def _mean(worker: WorkerProcess, histogram: str) -> float | None:
 
 @contextmanager
 def running_pair(model: str, log_dir: Path, extra: list[str], startup_timeout_s: float,
-                 mode: str = "PUSH") -> Iterator[tuple[WorkerProcess, WorkerProcess]]:  # fmt: skip
-    """A prefill and a decode on loopback, loaded and linked; both stopped on the way out, whatever happens."""
+                 mode: str = "PUSH", key_file: Path | None = None,
+                 ) -> Iterator[tuple[WorkerProcess, WorkerProcess]]:  # fmt: skip
+    """A prefill and a decode on loopback, loaded and linked; both stopped on the way out, whatever happens.
+
+    They share the key in `key_file`; None: a random one, written to `log_dir`.
+    """
+    if key_file is None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        key_file = log_dir / "cluster.key"
+        key_file.unlink(missing_ok=True)
+        ClusterKey.generate().write(key_file)
     workers: list[WorkerProcess] = []
     try:
         for role in ("decode", "prefill"):
             workers.append(spawn_worker(role, model, log_dir / f"{role}.log",
-                                        ["--kv-transfer-mode", mode, *extra]))  # fmt: skip
+                                        ["--kv-transfer-mode", mode, *extra], key_file=key_file))  # fmt: skip
         decode, prefill = workers
         for w in workers:
             w.wait_loaded(startup_timeout_s)
@@ -116,7 +128,8 @@ def run_demo(args: argparse.Namespace) -> int:
         print("preparing the model (converted once, then cached in ~/.cache/disagg)...", flush=True)
         _prepare_model(args.model)
         print("starting the workers...", flush=True)
-        with running_pair(args.model, log_dir, extra, args.startup_timeout, args.kv_transfer_mode) as (prefill, decode):
+        with running_pair(args.model, log_dir, extra, args.startup_timeout, args.kv_transfer_mode,
+                          args.cluster_key_file) as (prefill, decode):  # fmt: skip
             print(f"linked decode {decode.instance_name} to prefill {prefill.instance_name} "
                   f"({args.kv_transfer_mode}, tcp)\n", flush=True)  # fmt: skip
             _ask(prefill, args.served_model_name, args.max_tokens)

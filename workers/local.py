@@ -20,6 +20,8 @@ from pathlib import Path
 
 import httpx
 
+from disagg.workers.security.key import ClusterKey
+
 LOOPBACK = "127.0.0.1"
 
 
@@ -45,6 +47,11 @@ class WorkerProcess:
     transfer_port: int
     log_path: Path
     process: subprocess.Popen[bytes] = field(repr=False)
+    key_file: Path | None = None  # its --cluster-key-file; None: --insecure
+
+    @property
+    def cluster_key(self) -> ClusterKey | None:
+        return None if self.key_file is None else ClusterKey.from_file(self.key_file)
 
     @property
     def base_url(self) -> str:
@@ -110,26 +117,31 @@ class WorkerProcess:
 
 
 def spawn_worker(role: str, model: str, log_path: Path, extra: Sequence[str] = (), host: str = LOOPBACK,
-                 env: dict[str, str] | None = None) -> WorkerProcess:  # fmt: skip
-    """Start `disagg serve --role ROLE` on free ports of `host`; returns at once (see `wait_loaded`)."""
+                 env: dict[str, str] | None = None, key_file: Path | None = None) -> WorkerProcess:  # fmt: skip
+    """Start `disagg serve --role ROLE` on free ports of `host`; returns at once (see `wait_loaded`).
+
+    A prefill or decode gets `--cluster-key-file key_file`, or `--insecure` when it is None.
+    """
     ports = [free_port(host) for _ in range(3)]
+    auth = [] if role == "mixed" else ["--insecure"] if key_file is None else ["--cluster-key-file", str(key_file)]
     cmd = [
         sys.executable, "-m", "disagg.workers", "serve", "--role", role, "--model", model, "--host", host,
-        "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--transfer-port", str(ports[2]), *extra,
+        "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--transfer-port", str(ports[2]), *auth, *extra,
     ]  # fmt: skip
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("ab") as log:
         process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                    env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})),
                                    process_group=0)  # fmt: skip
-    return WorkerProcess(role, host, ports[0], ports[1], ports[2], log_path, process)
+    return WorkerProcess(role, host, ports[0], ports[1], ports[2], log_path, process, key_file)
 
 
 def link(decode: WorkerProcess, prefill: WorkerProcess, timeout_s: float = 15.0) -> str | None:
     """LinkInstance on the decode with the prefill's info (`disagg link`'s call); the error, or None."""
     from disagg.workers.pd.commands import link_call
 
-    return link_call(decode.instance_name, prefill.instance_name, prefill.transfer_port, timeout_s)
+    return link_call(decode.instance_name, prefill.instance_name, prefill.transfer_port, timeout_s,
+                     decode.cluster_key)  # fmt: skip
 
 
 def unlink(decode: WorkerProcess, prefill: WorkerProcess, timeout_s: float = 15.0) -> list[str]:
@@ -137,4 +149,4 @@ def unlink(decode: WorkerProcess, prefill: WorkerProcess, timeout_s: float = 15.
     from disagg.workers.pd.commands import unlink_calls
 
     return unlink_calls(decode.instance_name, decode.transfer_port, prefill.instance_name, prefill.transfer_port,
-                        timeout_s)  # fmt: skip
+                        timeout_s, decode.cluster_key)  # fmt: skip

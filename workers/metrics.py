@@ -39,6 +39,9 @@ class RequestOutcome:
     ERROR = "error"  # the server failed it
 
 
+AUTH_PATHS = ("grpc", "http-link", "transfer")
+
+
 class WorkerMetrics:
     """All metrics of one worker; `role` labels its request counter."""
 
@@ -82,6 +85,13 @@ class WorkerMetrics:
             ["direction", "peer"],
             registry=r,
         )
+        self.auth_failures = Counter(
+            "disagg_auth_failures",
+            "Calls and connections refused for a missing or wrong cluster credential, by path "
+            "(grpc, http-link, transfer).",
+            ["path"],
+            registry=r,
+        )
         self.prompt_tokens = Counter("disagg_prompt_tokens", "Prompt tokens processed.", registry=r)
         self.generation_tokens = Counter("disagg_generation_tokens", "Output tokens generated.", registry=r)
         self.kv_blocks_total = Gauge("disagg_kv_blocks_total", "KV cache blocks in the pool.", registry=r)
@@ -93,6 +103,12 @@ class WorkerMetrics:
         # Every outcome shows as 0 from the start, so rate() works at once.
         for status in (RequestOutcome.OK, RequestOutcome.REJECTED, RequestOutcome.ABORTED, RequestOutcome.ERROR):
             self.requests.labels(role=role, status=status)
+        for path in AUTH_PATHS:
+            self.auth_failures.labels(path=path)
+
+    def count_auth_failure(self, path: str) -> None:
+        assert path in AUTH_PATHS, f"unknown auth path {path!r}"
+        self.auth_failures.labels(path=path).inc()
 
     def count_request(self, status: str) -> None:
         self.requests.labels(role=self.role, status=status).inc()

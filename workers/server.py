@@ -107,27 +107,34 @@ def run(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     return asyncio.run(serve(engine_config, server_config, WORKER_BUILDERS[server_config.role]))
 
 
-def _build_http_app(state: AppState, role: Role, worker: Callable[[], Worker | None]) -> FastAPI:
+def _build_http_app(state: AppState, config: ServerConfig, worker: Callable[[], Worker | None]) -> FastAPI:
     """The role's HTTP app: a decode takes no client requests; PD roles take xLLM's HTTP link calls."""
+    role = config.role
     app = build_app(state, client_api=role is not Role.DECODE)
     if role is not Role.MIXED:
         from disagg.workers.pd.service import add_link_routes
+        from disagg.workers.security.control import ControlGuard
 
         def pd_role() -> PDRole | None:
             current = worker()
             return None if current is None else cast("PDWorker", current).role
 
-        add_link_routes(app, pd_role)
+        add_link_routes(app, pd_role,
+                        ControlGuard(config.cluster_key, config.allow_anonymous_peers, state.metrics.count_auth_failure))
     return app
 
 
 async def serve(engine_config: EngineConfig, server_config: ServerConfig, builder: WorkerBuilder) -> int:
     metrics = WorkerMetrics(server_config.role.value)
     state = AppState(metrics)
+    state.insecure = server_config.insecure
+    if server_config.insecure:
+        log.warning("INSECURE: no cluster key (--insecure): anyone who reaches the gRPC, HTTP and transfer ports "
+                    "can link, send requests and read or write KV blocks")
     started: list[Worker] = []  # the worker, once started: the link routes serve it from then on
     http = _UvicornServer(
         uvicorn.Config(
-            _build_http_app(state, server_config.role, lambda: started[0] if started else None),
+            _build_http_app(state, server_config, lambda: started[0] if started else None),
             host=server_config.host,
             port=server_config.http_port,
             lifespan="off",

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 import torch
 
@@ -33,10 +32,13 @@ from disagg.workers.local import WorkerProcess, free_port, spawn_worker
 from disagg.workers.metrics import WorkerMetrics
 from disagg.workers.pd.config import PDConfig
 from disagg.workers.pd.worker import PDWorker, build_worker
+from disagg.workers.security.control import control_channel
+from disagg.workers.security.key import ClusterKey
 
 torch.set_num_threads(1)
 BLOCK_SIZE = 4
 NUM_KV_BLOCKS = 128
+CLUSTER_KEY = ClusterKey.generate()  # every worker of these tests, and their clients, share it
 
 
 def engine_config(model: Path, **overrides: Any) -> EngineConfig:
@@ -49,7 +51,7 @@ def engine_config(model: Path, **overrides: Any) -> EngineConfig:
 def server_config(role: Role, mode: str = "PUSH", connections: int | None = None) -> ServerConfig:
     return ServerConfig(role=role, host="127.0.0.1", http_port=free_port(), grpc_port=free_port(),
                         transfer_port=free_port(), kv_transfer_mode=TransferMode(mode),
-                        kv_connections=connections)
+                        kv_connections=connections, cluster_key=CLUSTER_KEY)
 
 
 @dataclass
@@ -86,7 +88,7 @@ def pd_pair(tiny_model_dir: Path) -> Callable[..., contextlib.AbstractAsyncConte
                    connections: int | None = None, **engine: Any) -> AsyncIterator[Pair]:
         prefill, pc = await start_worker(tiny_model_dir, Role.PREFILL, mode, pd, connections, **engine)
         decode, dc = await start_worker(tiny_model_dir, Role.DECODE, mode, pd, connections, **engine)
-        channel = grpc.aio.insecure_channel(dc.instance_name)
+        channel = control_channel(dc.instance_name, CLUSTER_KEY)
         pair = Pair(prefill, decode, pc, dc, disagg_pd_pb2_grpc.DisaggPDServiceStub(channel))
         try:
             if link:
@@ -132,6 +134,7 @@ class Kit:
     they come as a fixture rather than an import)."""
 
     num_kv_blocks = NUM_KV_BLOCKS
+    key = CLUSTER_KEY
     wait_for = staticmethod(wait_for)
     start_worker = staticmethod(start_worker)
     stop_worker = staticmethod(stop_worker)
@@ -165,12 +168,14 @@ class Processes:
         self._model = model
         self._log_dir = log_dir
         self.started: list[WorkerProcess] = []
+        self.key_file = log_dir / "cluster.key"
+        CLUSTER_KEY.write(self.key_file)
 
     def spawn(self, role: str, *extra: str) -> WorkerProcess:
         """Start one (not waiting for it: start several, then `wait_loaded` each)."""
         log_path = self._log_dir / f"{role}-{len(self.started)}.log"
         worker = spawn_worker(role, str(self._model), log_path, [*PROCESS_ENGINE_ARGS, *extra],
-                              env={"OMP_NUM_THREADS": "1"})  # fmt: skip
+                              env={"OMP_NUM_THREADS": "1"}, key_file=self.key_file)  # fmt: skip
         self.started.append(worker)
         return worker
 

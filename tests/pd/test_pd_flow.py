@@ -18,6 +18,7 @@ from disagg.workers.http.errors import APIError
 from disagg.workers.pd.config import PDConfig
 from disagg.workers.pd.convert import SAMPLING_EXTRAS_KEY, request_to_proto
 from disagg.workers.pd.messages import NewRequest
+from disagg.workers.security.control import control_channel
 
 NUM_KV_BLOCKS = 128  # the pool of every worker of pd_pair (conftest.py)
 
@@ -88,7 +89,7 @@ async def test_link_with_a_different_block_size_is_refused(pd_pair: Callable[...
     async with pd_pair(link=False) as pair:
         other, config = await kit.start_worker(tiny_model_dir, Role.DECODE, block_size=8)
         try:
-            channel = grpc.aio.insecure_channel(config.instance_name)
+            channel = control_channel(config.instance_name, kit.key)
             stub = disagg_pd_pb2_grpc.DisaggPDServiceStub(channel)
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await stub.LinkInstance(pair.prefill_info.to_proto(), timeout=10)

@@ -21,6 +21,7 @@ import openai
 import pytest
 
 from disagg.workers.local import WorkerProcess, link, unlink
+from disagg.workers.security.control import http_credential_headers
 
 BLOCK_SIZE = 4  # PROCESS_ENGINE_ARGS in conftest.py
 MODEL = "tiny"  # its served model name
@@ -148,7 +149,8 @@ def test_a_prefill_with_no_decode_answers_503(lone_prefill: WorkerProcess) -> No
 def test_disagg_link_refuses_a_different_block_size(cluster: Cluster, lone_prefill: WorkerProcess) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "disagg.workers", "link", "--decode", cluster.d1.instance_name,
-         "--prefill", lone_prefill.instance_name, "--prefill-transfer-port", str(lone_prefill.transfer_port)],
+         "--prefill", lone_prefill.instance_name, "--prefill-transfer-port", str(lone_prefill.transfer_port),
+         "--cluster-key-file", str(cluster.d1.key_file)],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert result.returncode == 1
@@ -160,10 +162,15 @@ def test_the_http_link_form_links_and_unlinks(cluster: Cluster) -> None:
     """xLLM's JSON form on the decode's HTTP port, with the same semantics as the gRPC call."""
     body = {"instance_name": cluster.push.instance_name, "addrs": [cluster.push.transfer_address]}
     before = cluster.d2.metric("disagg_links")
-    r = httpx.post(f"{cluster.d2.base_url}/xllm.proto.DisaggPDService/LinkInstance", json=body, timeout=30.0)
+    path = "/xllm.proto.DisaggPDService/LinkInstance"
+
+    def signed() -> dict[str, str]:
+        return http_credential_headers(cluster.d2.cluster_key, path)
+
+    r = httpx.post(f"{cluster.d2.base_url}{path}", json=body, headers=signed(), timeout=30.0)
     assert r.status_code == 200 and r.json() == {"ok": True}, "linking again is a no-op"
     assert cluster.d2.metric("disagg_links") == before
-    bad = httpx.post(f"{cluster.d2.base_url}/xllm.proto.DisaggPDService/LinkInstance", json={"addrs": []}, timeout=30.0)
+    bad = httpx.post(f"{cluster.d2.base_url}{path}", json={"addrs": []}, headers=signed(), timeout=30.0)
     assert bad.status_code == 400 and "instance_name" in bad.json()["error"]["message"]
 
 

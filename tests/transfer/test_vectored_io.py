@@ -14,7 +14,7 @@ import torch
 
 from disagg.workers.transfer import KVLayout, KVTransport, PeerInfo, create_transport, pool_io, wire
 from disagg.workers.transfer.base import BlockRun
-from disagg.workers.transfer.handshake import Hello, recv_reply, send_hello
+from disagg.workers.transfer.handshake import Hello, initiate
 from disagg.workers.transfer.pool_io import PoolIO, batches
 from disagg.workers.transfer.tcp import tune_socket
 from disagg.workers.transfer.wire import (
@@ -170,8 +170,8 @@ class _RawDecode:
         host, port = address.rsplit(":", 1)
         self.sock = socket.create_connection((host, int(port)), timeout=WAIT_S)
         me = PeerInfo(f"raw-{uuid.uuid4().hex[:6]}", "127.0.0.1:9", layout)
-        send_hello(self.sock, Hello(me, "tcp", uuid.uuid4().hex, 0, 1, [int(k) for k in supported_checksums()]))
-        reply = recv_reply(self.sock, WAIT_S)
+        hello = Hello(me, "tcp", uuid.uuid4().hex, 0, 1, [int(k) for k in supported_checksums()])
+        reply, _ = initiate(self.sock, hello, None, time.monotonic() + WAIT_S)
         assert reply.ok, reply.reason
         self.checksum = ChecksumKind(reply.checksum)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -12,7 +13,7 @@ import torch
 
 from disagg.workers.transfer import KVLayout, PeerInfo
 from disagg.workers.transfer.base import BlockRun
-from disagg.workers.transfer.handshake import Hello, recv_reply, send_hello
+from disagg.workers.transfer.handshake import Hello, initiate
 from disagg.workers.transfer.pool_io import host_view
 from disagg.workers.transfer.wire import (
     HEADER,
@@ -41,8 +42,8 @@ class RawLink:
         self.sock = socket.create_connection((host, int(port)), timeout=WAIT_S)
         me = PeerInfo(f"raw-{uuid.uuid4().hex[:6]}", "127.0.0.1:9", layout)
         checksums = [int(k) for k in supported_checksums()]
-        send_hello(self.sock, Hello(me, "tcp", uuid.uuid4().hex, 0, 1, checksums))
-        reply = recv_reply(self.sock, WAIT_S)
+        reply, _ = initiate(self.sock, Hello(me, "tcp", uuid.uuid4().hex, 0, 1, checksums), None,
+                            time.monotonic() + WAIT_S)  # fmt: skip
         assert reply.ok, reply.reason
         self.checksum = ChecksumKind(reply.checksum)
         self.sock.settimeout(WAIT_S)

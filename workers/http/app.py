@@ -37,6 +37,7 @@ class AppState:
         self.serving: OpenAIServing | None = None
         self.not_ready_reason = "the model is loading"
         self.draining = False  # asked before the model loaded, applied on attach
+        self.insecure = False  # started with --insecure: said in /health
 
     def attach(self, backend: Backend) -> None:
         backend.set_draining(self.draining)
@@ -74,7 +75,7 @@ def build_app(state: AppState, client_api: bool = True) -> FastAPI:
     async def health() -> dict[str, str | bool]:
         # `loaded`: the model is loaded and the role's servers are up (a prefill
         # is ready only once linked too, so launchers wait on this to link).
-        return {"status": "ok", "loaded": state.serving is not None}
+        return {"status": "ok", "loaded": state.serving is not None, "insecure": state.insecure}
 
     @app.get("/ready")
     async def ready() -> dict[str, str]:

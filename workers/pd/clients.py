@@ -11,6 +11,8 @@ from disagg.workers.pd import convert
 from disagg.workers.pd.config import PDConfig
 from disagg.workers.pd.errors import InvalidMessage, PDError, PeerTimeout, PeerUnavailable, UnknownRequest, WrongRole
 from disagg.workers.pd.messages import FirstToken, NewRequest, Reservation
+from disagg.workers.security.control import control_channel
+from disagg.workers.security.key import ClusterKey
 
 _ERRORS: dict[grpc.StatusCode, type[PDError]] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: PeerTimeout,
@@ -27,16 +29,20 @@ def rpc_error(peer: str, exc: grpc.aio.AioRpcError) -> PDError:
 
 
 class PeerClients:
-    def __init__(self, config: PDConfig) -> None:
+    """Every call carries a credential of `key` (None: none, --insecure)."""
+
+    def __init__(self, config: PDConfig, key: ClusterKey | None) -> None:
         self._config = config
+        self._key = key
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
             limit = self._config.max_message_bytes
-            self._channels[address] = grpc.aio.insecure_channel(
-                address, options=[("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
-            )
+            self._channels[address] = control_channel(
+                address, self._key,
+                [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)],
+            )  # fmt: skip
         return self._channels[address]
 
     async def add_new_requests(self, decode: str, prefill_name: str, reqs: list[NewRequest]) -> list[Reservation]:

@@ -9,6 +9,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from disagg.workers.security.key import ClusterKey
 
 from disagg.proto.vocabulary import TRANSFER_PORT, InstanceInfo
 
@@ -21,46 +25,69 @@ def add_link_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-transfer-port", type=int, default=TRANSFER_PORT,
                    help="the decode's --transfer-port, for unlink (default %(default)s)")
     p.add_argument("--timeout", type=float, default=15.0, help="deadline of each call, seconds")
+    from disagg.workers.args import add_key_arguments
+
+    add_key_arguments(p)
 
 
-async def _call(target: str, method: str, instance: str, transfer_port: int, timeout: float) -> str | None:
-    """One LinkInstance/UnlinkInstance on `target` with `instance`'s info; the error, or None."""
+async def _call(target: str, method: str, instance: str, transfer_port: int, timeout: float,
+                key: ClusterKey | None) -> str | None:  # fmt: skip
+    """One LinkInstance/UnlinkInstance on `target` with `instance`'s info, signed with `key`; the error, or None."""
     import grpc
 
     from disagg.proto import disagg_pd_pb2_grpc
+    from disagg.workers.security.control import control_channel
 
     host = instance.rpartition(":")[0]
-    info = InstanceInfo(instance, f"{host}:{transfer_port}")
-    async with grpc.aio.insecure_channel(target) as channel:
+    try:
+        message = InstanceInfo(instance, f"{host}:{transfer_port}").to_proto()  # cluster_id needs an IPv4 host
+    except ValueError as exc:
+        return str(exc)
+    async with control_channel(target, key) as channel:
         stub = disagg_pd_pb2_grpc.DisaggPDServiceStub(channel)
         try:
-            status = await getattr(stub, method)(info.to_proto(), timeout=timeout)
+            status = await getattr(stub, method)(message, timeout=timeout)
         except grpc.aio.AioRpcError as exc:
             return f"{exc.code().name}: {exc.details()}"
     return None if status.ok else "answered ok=false"
 
 
-def link_call(decode: str, prefill: str, prefill_transfer_port: int, timeout: float) -> str | None:
+def link_call(decode: str, prefill: str, prefill_transfer_port: int, timeout: float,
+              key: ClusterKey | None) -> str | None:  # fmt: skip
     """LinkInstance on the decode, payload = the prefill; the refusal's reason, or None."""
-    return asyncio.run(_call(decode, "LinkInstance", prefill, prefill_transfer_port, timeout))
+    return asyncio.run(_call(decode, "LinkInstance", prefill, prefill_transfer_port, timeout, key))
 
 
 def unlink_calls(decode: str, decode_transfer_port: int, prefill: str, prefill_transfer_port: int,
-                 timeout: float) -> list[str]:  # fmt: skip
+                 timeout: float, key: ClusterKey | None) -> list[str]:  # fmt: skip
     """UnlinkInstance on both sides at once; the errors, each naming its side."""
 
     async def both() -> list[str | None]:
         return list(await asyncio.gather(
-            _call(decode, "UnlinkInstance", prefill, prefill_transfer_port, timeout),
-            _call(prefill, "UnlinkInstance", decode, decode_transfer_port, timeout),
+            _call(decode, "UnlinkInstance", prefill, prefill_transfer_port, timeout, key),
+            _call(prefill, "UnlinkInstance", decode, decode_transfer_port, timeout, key),
         ))  # fmt: skip
 
     answers = asyncio.run(both())
     return [f"{side}: {error}" for side, error in zip((decode, prefill), answers) if error]
 
 
+def _key(args: argparse.Namespace, command: str) -> tuple[ClusterKey | None, int]:
+    """The key of --cluster-key-file (None with --insecure), or the exit code of a clear error."""
+    from disagg.workers.args import cluster_key
+
+    try:
+        return cluster_key(args), 0
+    except ValueError as exc:
+        print(f"disagg {command}: {exc}", file=sys.stderr)
+        return None, 2
+
+
 def run_link(args: argparse.Namespace) -> int:
-    error = link_call(args.decode, args.prefill, args.prefill_transfer_port, args.timeout)
+    key, code = _key(args, "link")
+    if code:
+        return code
+    error = link_call(args.decode, args.prefill, args.prefill_transfer_port, args.timeout, key)
     if error:
         print(f"disagg link: {args.decode} refused: {error}", file=sys.stderr)
         return 1
@@ -69,8 +96,11 @@ def run_link(args: argparse.Namespace) -> int:
 
 
 def run_unlink(args: argparse.Namespace) -> int:
+    key, code = _key(args, "unlink")
+    if code:
+        return code
     errors = unlink_calls(args.decode, args.decode_transfer_port, args.prefill, args.prefill_transfer_port,
-                          args.timeout)  # fmt: skip
+                          args.timeout, key)  # fmt: skip
     for error in errors:
         print(f"disagg unlink: {error}", file=sys.stderr)
     if not errors:

@@ -18,6 +18,8 @@ from disagg.workers.pd.messages import Admission, FirstToken, NewRequest, Reserv
 
 # --- sampling parameters ------------------------------------------------------
 
+_MAX_TOP_K = 1 << 31
+
 
 def request_to_proto(req: NewRequest) -> pb.DisaggRequest:
     p = req.params
@@ -42,6 +44,11 @@ def request_from_proto(msg: pb.DisaggRequest) -> NewRequest:
         raise ValueError(f"request {msg.req_id}: n={msg.n}; a decode runs one sequence per request")
     if msg.stop_sequences:
         raise ValueError(f"request {msg.req_id}: stop_sequences are not supported; send stop_token_ids")
+    if any(t < 0 for t in msg.stop_token_ids):
+        raise ValueError(f"request {msg.req_id}: negative stop_token_ids {[t for t in msg.stop_token_ids if t < 0][:5]}")
+    # NOTE: the sampler keeps top_k in an int64 tensor: a huge one would fail the whole batch's step.
+    if not -1 <= msg.top_k < _MAX_TOP_K:
+        raise ValueError(f"request {msg.req_id}: top_k {msg.top_k} is outside [-1, {_MAX_TOP_K})")
     # proto3 leaves default-valued fields out: 0 means "not set" where 0 is invalid.
     params = SamplingParams(
         max_tokens=msg.max_tokens or 16, temperature=msg.temperature, top_p=msg.top_p or 1.0,

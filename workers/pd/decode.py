@@ -42,7 +42,7 @@ from disagg.workers.pd.errors import (
 )
 from disagg.workers.pd.links import PeerTable
 from disagg.workers.pd.messages import Admission, FirstToken, NewRequest, Reservation, TransferMode
-from disagg.workers.transfer import KVTransport, LinkRefusedError, TransferError, TransferTimeout
+from disagg.workers.transfer import Access, KVTransport, LinkRefusedError, TransferError, TransferTimeout
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ class DecodeRole(EngineBackend[PDAsyncEngine]):
             return
         try:
             session = await asyncio.to_thread(self._transport.connect, info.transfer_address,
-                                              self._config.link_timeout_s)  # fmt: skip
+                                              self._config.link_timeout_s, info.name)  # fmt: skip
         except LinkRefusedError as exc:
             raise LinkRefused(str(exc)) from exc
         except TransferTimeout as exc:
@@ -159,6 +159,7 @@ class DecodeRole(EngineBackend[PDAsyncEngine]):
             log.warning("request %s refused: %s", req.req_id, exc)
             return Reservation(req.req_id, Admission.REFUSED, [])
         self._incoming[req.req_id] = _Incoming(req, prefill, blocks)
+        self._transport.access.allow(prefill, req.req_id, blocks, Access.WRITE)  # its pushes, until FirstGeneration
         return Reservation(req.req_id, Admission.OK, blocks)
 
     async def first_generation(self, first: FirstToken) -> None:
@@ -166,7 +167,11 @@ class DecodeRole(EngineBackend[PDAsyncEngine]):
         inc = self._incoming.get(first.req_id)
         if inc is None or inc.started:
             raise UnknownRequest(f"no reserved request {first.req_id!r} waits for its first token here")
+        if not 0 <= first.token_id < self.model.vocab_size:  # it would fail the next step of every request
+            await self.refuse_first(first.req_id, f"first token id {first.token_id} is outside the vocabulary "
+                                                  f"[0, {self.model.vocab_size})")  # fmt: skip
         inc.started = True
+        self._transport.access.revoke(first.req_id)
         try:
             if first.mode is TransferMode.PULL:
                 await self._pull(inc, first)
@@ -252,6 +257,7 @@ class DecodeRole(EngineBackend[PDAsyncEngine]):
 
     async def _drop(self, req_id: str, reason: str) -> None:
         inc = self._incoming.pop(req_id, None)
+        self._transport.access.revoke(req_id)
         if inc is None:
             return
         log.info("dropping request %s: %s", req_id, reason)

@@ -45,7 +45,7 @@ from disagg.workers.pd.engine import HANDOFF, PDAsyncEngine, PDEngine
 from disagg.workers.pd.errors import PDError, WrongRole
 from disagg.workers.pd.links import PeerTable
 from disagg.workers.pd.messages import Admission, FirstToken, NewRequest, TransferMode
-from disagg.workers.transfer import KVTransport, TransferError, TransferHandle, TransferSession
+from disagg.workers.transfer import Access, KVTransport, TransferError, TransferHandle, TransferSession
 
 log = logging.getLogger(__name__)
 
@@ -337,6 +337,7 @@ class PrefillRole(EngineBackend[PDAsyncEngine]):
             await self._release(call)
             return FirstToken(call.req_id, handoff.new_token_ids[0], logprob, TransferMode.PUSH, ttft)
         blocks = await self._engine.call(lambda e: e.held_block_ids(call.req_id))
+        self._transport.access.allow(call.decode, call.req_id, blocks, Access.READ)  # its pull, until released
         return FirstToken(call.req_id, handoff.new_token_ids[0], logprob, TransferMode.PULL, ttft,
                           self._transfer_address, tuple(blocks))  # fmt: skip
 
@@ -387,6 +388,7 @@ class PrefillRole(EngineBackend[PDAsyncEngine]):
 
     async def _release(self, call: _Call) -> None:
         """Free the prompt blocks the engine kept after the hand-off."""
+        self._transport.access.revoke(call.req_id)
         if call.held:
             call.held = False
             await self._engine.call(lambda e: e.release(call.req_id))

@@ -23,6 +23,7 @@ from disagg.proto.vocabulary import InstanceInfo
 from disagg.workers.engine.outputs import RequestOutput
 from disagg.workers.pd import convert, errors
 from disagg.workers.pd.messages import Admission, FirstToken, NewRequest, Reservation
+from disagg.workers.security.control import HTTP_HEADER, REFUSAL, AuthInterceptor, ControlGuard, http_method
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ STATUS_CODES: dict[type[errors.PDError], grpc.StatusCode] = {
 # ...and the same errors over HTTP.
 HTTP_STATUS: dict[grpc.StatusCode, int] = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
     grpc.StatusCode.NOT_FOUND: 404,
     grpc.StatusCode.FAILED_PRECONDITION: 409,
     grpc.StatusCode.UNAVAILABLE: 503,
@@ -159,9 +161,10 @@ async def _parse_info(msg: pb.InstanceClusterInfo) -> InstanceInfo:
         raise errors.InvalidMessage(f"bad InstanceClusterInfo: {exc}") from exc
 
 
-def build_grpc_server(role: PDRole, address: str, max_message_bytes: int, serves_generations: bool) -> grpc.aio.Server:
-    """An asyncio gRPC server of the role on `address` (not started)."""
-    server = grpc.aio.server(options=[
+def build_grpc_server(role: PDRole, address: str, max_message_bytes: int, serves_generations: bool,
+                      guard: ControlGuard) -> grpc.aio.Server:  # fmt: skip
+    """An asyncio gRPC server of the role on `address` (not started); `guard` checks every call first."""
+    server = grpc.aio.server(interceptors=[AuthInterceptor(guard)], options=[
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
     ])  # fmt: skip
@@ -172,15 +175,18 @@ def build_grpc_server(role: PDRole, address: str, max_message_bytes: int, serves
     return server
 
 
-def add_link_routes(app: FastAPI, role: Callable[[], PDRole | None]) -> None:
+def add_link_routes(app: FastAPI, role: Callable[[], PDRole | None], guard: ControlGuard) -> None:
     """xLLM's HTTP form: `POST /xllm.proto.DisaggPDService/{LinkInstance,UnlinkInstance}`
     with a JSON InstanceClusterInfo; answers a JSON Status (`{"ok": true}`), or
     `{"ok": false, "error": {...}}` with an HTTP error status and the reason.
 
-    `role` returns None while the model loads (answered 503).
+    `role` returns None while the model loads (answered 503); a call `guard`
+    refuses is answered 401.
     """
 
     async def handle(request: Request, link: bool) -> JSONResponse:
+        if not guard.allows(http_method(request.url.path), request.headers.get(HTTP_HEADER), "http-link"):
+            return _http_error(grpc.StatusCode.UNAUTHENTICATED, REFUSAL)
         current = role()
         if current is None:
             return _http_error(grpc.StatusCode.UNAVAILABLE, "the worker is still loading its model")

@@ -22,7 +22,8 @@ from disagg.workers.pd.engine import PDAsyncEngine, PDEngine
 from disagg.workers.pd.messages import TransferMode
 from disagg.workers.pd.prefill import PrefillRole
 from disagg.workers.pd.service import build_grpc_server
-from disagg.workers.transfer import KVLayout, create_transport
+from disagg.workers.security.control import ControlGuard
+from disagg.workers.transfer import BlockAccess, KVLayout, create_transport
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +31,10 @@ log = logging.getLogger(__name__)
 class PDWorker:
     """A role plus its gRPC server; the HTTP backend is the role itself."""
 
-    def __init__(self, role: PrefillRole | DecodeRole, server_config: ServerConfig, config: PDConfig) -> None:
+    def __init__(self, role: PrefillRole | DecodeRole, server_config: ServerConfig, config: PDConfig,
+                 guard: ControlGuard) -> None:  # fmt: skip
         self.role = role
+        self._guard = guard
         self._server_config = server_config
         self._config = config
         self._grpc: grpc.aio.Server | None = None
@@ -45,7 +48,8 @@ class PDWorker:
         await self.role.start()
         address = f"{self._server_config.host}:{self._server_config.grpc_port}"
         self._grpc = build_grpc_server(self.role, address, self._config.max_message_bytes,
-                                       serves_generations=isinstance(self.role, PrefillRole))  # fmt: skip
+                                       serves_generations=isinstance(self.role, PrefillRole),
+                                       guard=self._guard)  # fmt: skip
         await self._grpc.start()
         log.info("DisaggPDService of %s on %s", self._server_config.instance_name, address)
 
@@ -70,12 +74,16 @@ def build_worker(engine_config: EngineConfig, server_config: ServerConfig,
     layout = KVLayout.of_pool(llm.kv_cache.tensor, engine_config.model)
     name = server_config.instance_name
     connections = server_config.kv_connections or default_kv_connections()
+    key = server_config.cluster_key
     transport = create_transport(server_config.kv_transport.value, llm.kv_cache.tensor, layout, name, name,
-                                 num_connections=connections)  # fmt: skip
+                                 num_connections=connections, key=key,
+                                 on_auth_failure=lambda: metrics.count_auth_failure("transfer"),
+                                 access=BlockAccess(on_refused=lambda: metrics.count_auth_failure("transfer")),
+                                 accepts_links=server_config.role is Role.PREFILL)  # a decode opens its own  # fmt: skip
     bound = transport.start(server_config.host, server_config.transfer_port)
     transfer_address = f"{server_config.instance_host}:{bound.rpartition(':')[2]}"
     engine = PDAsyncEngine(llm)
-    clients = PeerClients(config)
+    clients = PeerClients(config, key)
     role: PrefillRole | DecodeRole
     if server_config.role is Role.PREFILL:
         mode = TransferMode(server_config.kv_transfer_mode.value)
@@ -84,4 +92,5 @@ def build_worker(engine_config: EngineConfig, server_config: ServerConfig,
     else:
         role = DecodeRole(engine, llm.tokenizer, model, transport, clients, metrics, config)
     engine.start()
-    return PDWorker(role, server_config, config)
+    guard = ControlGuard(key, server_config.allow_anonymous_peers, metrics.count_auth_failure)
+    return PDWorker(role, server_config, config, guard)

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from disagg.workers.transfer.access import Access, BlockAccess
 from disagg.workers.transfer.base import (
     KVLayout,
     KVTransport,
@@ -47,6 +48,8 @@ def create_transport(
 
 __all__ = [
     "TRANSPORTS",
+    "Access",
+    "BlockAccess",
     "KVLayout",
     "KVTransport",
     "LinkRefusedError",

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from disagg.workers.transfer.access import BlockAccess
+
 
 class TransferError(RuntimeError):
     """A transfer failed (peer error, checksum mismatch, connection lost)."""
@@ -354,6 +356,8 @@ class KVTransport(ABC):
         self.layout = layout
         self.instance_name = instance_name
         self.grpc_address = grpc_address
+        # Which blocks each peer may touch; unchecked unless a subclass is given an enforcing one.
+        self.access = BlockAccess(enforce=False)
         # Called on a transport thread with each peer whose handshake was accepted.
         self.on_link: Callable[[TransferSession], None] | None = None
 
@@ -366,11 +370,15 @@ class KVTransport(ABC):
         """Listen for peers on host:port (0 picks a free port). Returns the bound "host:port"."""
 
     @abstractmethod
-    def connect(self, address: str, timeout: float) -> TransferSession:
+    def connect(self, address: str, timeout: float, expect_name: str | None = None) -> TransferSession:
         """Open the data path to the peer listening at `address` and handshake.
 
+        Args:
+            expect_name: the instance the link names; a peer answering under
+                another name is refused.
         Raises LinkRefusedError with the peer's reason when it refuses (a
-        layout mismatch names the fields that differ), TransferTimeout when it does not answer within `timeout`.
+        layout mismatch names the fields that differ; a wrong cluster key only
+        "authentication failed"), TransferTimeout when it does not answer within `timeout`.
         """
 
     @abstractmethod

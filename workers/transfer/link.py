@@ -3,21 +3,30 @@
 A transport subclass only says what its handshake carries (`_hello_extras`,
 `_accept_extras`) and how a session is built over the handshaken sockets
 (`_open_session`).
+
+The listener's resources are bounded against whoever can reach the port: at
+most `max_pending` connections are handshaking or parked (waiting for the
+other connections of their session) at once, the rest are closed at accept;
+a handshake has one deadline for all its reads; a parked connection is
+closed when its session is not complete within `io_timeout`; and a failing
+accept() (EMFILE) pauses the loop instead of ending it.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import socket
 import threading
 import time
 import uuid
 from abc import abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from disagg.workers.transfer.access import BlockAccess
 from disagg.workers.transfer.base import (
     KVLayout,
     KVTransport,
@@ -27,10 +36,25 @@ from disagg.workers.transfer.base import (
     TransferSession,
     TransferTimeout,
 )
-from disagg.workers.transfer.handshake import Hello, Reply, recv_hello, recv_reply, send_hello, send_reply
+from disagg.workers.security.key import AuthError, ClusterKey
+from disagg.workers.transfer.handshake import (
+    Challenge,
+    Hello,
+    Reply,
+    bound_fields,
+    initiate,
+    recv_hello,
+    recv_proof,
+    send_challenge,
+    send_reply,
+)
 from disagg.workers.transfer.wire import ChecksumKind, supported_checksums
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_PENDING = 64
+_ACCEPT_RETRY_S = 0.1  # pause after a failed accept(), e.g. out of file descriptors
+AUTH_REFUSAL = "authentication failed"  # all an initiator without the key learns
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -53,13 +77,25 @@ class LinkedTransport(KVTransport):
         num_connections: int = 4,
         io_timeout: float = 30.0,
         checksums: Sequence[ChecksumKind] | None = None,
+        key: ClusterKey | None = None,
+        on_auth_failure: Callable[[], None] | None = None,
+        max_pending: int = DEFAULT_MAX_PENDING,
+        access: BlockAccess | None = None,
+        accepts_links: bool = True,
     ) -> None:
         """
         Args:
             num_connections: sockets per session this side opens in `connect`.
-            io_timeout: bound on any single socket wait inside a frame or handshake.
+            io_timeout: bound on any single socket wait inside a frame, and on a whole handshake.
             checksums: kinds this side accepts, best first (default: all it can
                 compute; ChecksumKind.NONE only when asked for, e.g. to measure its cost).
+            key: the cluster key both ends of a link must prove; None: no authentication.
+            on_auth_failure: called for each handshake refused for its proof.
+            max_pending: connections handshaking or parked at once; more are closed at accept.
+            access: the grants every WRITE/READ frame of a peer is checked against
+                (None: any block of the pool, as for a bare transport).
+            accepts_links: False refuses every handshaken link this side did not open
+                (a decode: KV comes only on the links it opened, to the prefills it named).
         """
         super().__init__(pool, layout, instance_name, grpc_address)
         if not 1 <= num_connections <= 64:
@@ -69,6 +105,14 @@ class LinkedTransport(KVTransport):
         self.checksums = list(checksums) if checksums is not None else supported_checksums()
         if not self.checksums:
             raise ValueError("at least one checksum kind is needed (ChecksumKind.NONE turns checking off)")
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be at least 1, got {max_pending}")
+        self._key = key
+        self._accepts_links = accepts_links
+        if access is not None:
+            self.access = access
+        self._on_auth_failure = on_auth_failure
+        self._pending_slots = threading.BoundedSemaphore(max_pending)
         self._listener: socket.socket | None = None
         self._sessions: dict[str, TransferSession] = {}
         # session id -> (first seen, {connection index: (its hello, its socket)})
@@ -107,34 +151,43 @@ class LinkedTransport(KVTransport):
         bound_host, bound_port = listener.getsockname()[:2]
         return f"{bound_host}:{bound_port}"
 
-    def connect(self, address: str, timeout: float) -> TransferSession:
+    def connect(self, address: str, timeout: float, expect_name: str | None = None) -> TransferSession:
         host, port = parse_address(address)
         session_id = uuid.uuid4().hex
+        deadline = time.monotonic() + timeout
         socks: list[socket.socket] = []
         try:
-            replies = []
+            answers: list[tuple[Reply, Challenge]] = []
             for index in range(self.num_connections):
-                sock = socket.create_connection((host, port), timeout=timeout)
+                sock = socket.create_connection((host, port), timeout=max(deadline - time.monotonic(), 0.001))
                 socks.append(sock)
                 hello = Hello(
                     self.identity, self.name, session_id, index, self.num_connections,
                     [int(kind) for kind in self.checksums], self._hello_extras() if index == 0 else {},
                 )
-                send_hello(sock, hello)
-            replies = [recv_reply(sock, timeout) for sock in socks]
+                answers.append(initiate(sock, hello, self._key, deadline))
         except TimeoutError as exc:
             self._close_all(socks)
             raise TransferTimeout(f"transfer peer {address} did not answer within {timeout:.1f}s") from exc
         except (OSError, TransferError):
             self._close_all(socks)
             raise
-        refused = next((reply for reply in replies if not reply.ok), None)
+        refused = next((reply for reply, _ in answers if not reply.ok), None)
+        reply, challenge = answers[0]
+        reason = None
         if refused is not None:
+            reason = refused.reason
+        elif challenge.name == self.instance_name:
+            reason = "a worker cannot link to itself"
+        elif expect_name is not None and challenge.name != expect_name:
+            # A link names an instance: the data path must lead to that one, not whoever answers there.
+            reason = f"it is {challenge.name!r}, not the {expect_name!r} the link names"
+        if reason is not None:
             self._close_all(socks)
-            raise LinkRefusedError(f"{address} refused the link: {refused.reason}")
-        peer = replies[0].peer
+            raise LinkRefusedError(f"{address} refused the link: {reason}")
+        peer = reply.peer
         assert peer is not None, "an accepting REPLY names the acceptor"
-        session = self._open_session(peer, socks, replies[0].checksum, replies[0].extras, initiator=True)
+        session = self._open_session(peer, socks, reply.checksum, reply.extras, initiator=True)
         self._register(session)
         return session
 
@@ -182,18 +235,54 @@ class LinkedTransport(KVTransport):
         while not self._closed:
             try:
                 sock, _ = self._listener.accept()
-            except OSError:
-                return  # the listener was closed
+            except OSError as exc:
+                if self._closed:
+                    return  # the listener was closed
+                logger.warning("transfer accept failed (%s); retrying", exc)
+                time.sleep(_ACCEPT_RETRY_S)
+                continue
+            if not self._pending_slots.acquire(blocking=False):
+                logger.warning("transfer listener full: closing a connection at accept")
+                sock.close()
+                continue
             threading.Thread(target=self._serve_handshake, args=(sock,), daemon=True).start()
 
     def _refusal(self, hello: Hello) -> str | None:
+        if not self._accepts_links:
+            return f"{self.instance_name} opens its links itself and accepts none"
+        if hello.peer.name == self.instance_name:
+            return "a worker cannot link to itself"
         if hello.transport != self.name:
             return f"transport {hello.transport!r} requested, this worker serves {self.name!r}"
         return self.layout.mismatch_reason(hello.peer.layout)
 
-    def _serve_handshake(self, sock: socket.socket) -> None:
+    def _authenticated(self, sock: socket.socket, hello: Hello, deadline: float) -> Challenge | None:
+        """Challenge the initiator; the challenge when its proof holds, else None (refused and counted)."""
+        challenge = Challenge(secrets.token_hex(16), self.instance_name)
+        send_challenge(sock, challenge)
+        proof = recv_proof(sock, deadline)
+        if self._key is None:
+            return challenge
         try:
-            hello = recv_hello(sock, self.io_timeout)
+            self._key.check_proof(proof, "initiator", *bound_fields(hello, challenge))
+        except AuthError as exc:
+            logger.warning("refused a transfer connection claiming to be %s: %s", hello.peer.name, exc)
+            if self._on_auth_failure is not None:
+                self._on_auth_failure()
+            send_reply(sock, Reply(False, AUTH_REFUSAL))
+            return None
+        return challenge
+
+    def _serve_handshake(self, sock: socket.socket) -> None:
+        """Handshake one accepted connection, within one deadline; holds a pending slot until parked or closed."""
+        deadline = time.monotonic() + self.io_timeout
+        try:
+            hello = recv_hello(sock, deadline)
+            challenge = self._authenticated(sock, hello, deadline)
+            if challenge is None:
+                sock.close()
+                self._pending_slots.release()
+                return
             reason = self._refusal(hello)
             extras: dict[str, Any] = {}
             if reason is None and hello.conn_index == 0:
@@ -201,40 +290,73 @@ class LinkedTransport(KVTransport):
                     extras = self._accept_extras(hello)
                 except TransferError as exc:
                     reason = str(exc)
+            checksum = next((k for k in self.checksums if int(k) in hello.checksums), None)
+            if reason is None and checksum is None:
+                reason = f"no common checksum in {hello.checksums}"
             if reason is not None:
                 logger.warning("refused link from %s: %s", hello.peer.name, reason)
                 send_reply(sock, Reply(False, reason))
                 sock.close()
+                self._pending_slots.release()
                 return
-            checksum = next((k for k in self.checksums if int(k) in hello.checksums), None)
-            if checksum is None:
-                send_reply(sock, Reply(False, f"no common checksum in {hello.checksums}"))
-                sock.close()
-                return
-            send_reply(sock, Reply(True, "", self.identity, int(checksum), extras))
+            assert checksum is not None, "checked above"
+            proof = self._key.proof("acceptor", *bound_fields(hello, challenge)) if self._key is not None else ""
+            send_reply(sock, Reply(True, "", self.identity, int(checksum), extras, proof))
         except (OSError, TransferError) as exc:
             logger.warning("transfer handshake failed: %s", exc)
             sock.close()
+            self._pending_slots.release()
             return
         self._collect(hello, sock, int(checksum))
 
     def _collect(self, hello: Hello, sock: socket.socket, checksum: int) -> None:
-        """Group the connections of one session; open it once all have arrived."""
-        now = time.monotonic()
+        """Group the connections of one session; open it once all have arrived.
+
+        A parked connection keeps its pending slot until its session opens or
+        expires (`io_timeout` after its first connection).
+        """
         with self._cond:
-            for stale in [sid for sid, (t, _) in self._pending.items() if now - t > self.io_timeout]:
-                self._close_all([s for _, s in self._pending.pop(stale)[1].values()])
-            _, group = self._pending.setdefault(hello.session_id, (now, {}))
+            if self._closed:
+                group: dict[int, tuple[Hello, socket.socket]] = {hello.conn_index: (hello, sock)}
+                self._release(group)
+                return
+            if hello.session_id not in self._pending:
+                self._pending[hello.session_id] = (time.monotonic(), {})
+                timer = threading.Timer(self.io_timeout, self._expire, (hello.session_id,))
+                timer.daemon = True
+                timer.start()
+            _, group = self._pending[hello.session_id]
+            old = group.get(hello.conn_index)
             group[hello.conn_index] = (hello, sock)
+            if old is not None:  # the same connection index twice: keep the newest
+                self._release({0: old})
             if len(group) < hello.num_conns:
                 return
             del self._pending[hello.session_id]
+        if sorted(group) != list(range(hello.num_conns)):  # its connections disagree on their count
+            self._release(group)
+            return
+        for _ in group:
+            self._pending_slots.release()
         first = group[0][0]
         socks = [group[i][1] for i in range(hello.num_conns)]
         session = self._open_session(first.peer, socks, checksum, first.extras, initiator=False)
         self._register(session)
         if self.on_link is not None:
             self.on_link(session)
+
+    def _expire(self, session_id: str) -> None:
+        """Close the parked connections of a session that did not complete in time."""
+        with self._cond:
+            entry = self._pending.pop(session_id, None)
+        if entry is not None:
+            logger.warning("transfer session %s incomplete after %.1fs: closed", session_id, self.io_timeout)
+            self._release(entry[1])
+
+    def _release(self, group: dict[int, tuple[Hello, socket.socket]]) -> None:
+        for _, sock in group.values():
+            sock.close()
+            self._pending_slots.release()
 
     @staticmethod
     def _close_all(socks: list[socket.socket]) -> None:

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
+from disagg.workers.transfer.access import Access, BlockAccess
 from disagg.workers.transfer.base import (
     BlockRun,
     KVLayout,
@@ -93,9 +94,10 @@ class _Connection:
 
     def __init__(
         self, sock: socket.socket, payload: PayloadIO, layout: KVLayout, peer: PeerInfo,
-        checksum: ChecksumKind, io_timeout: float, on_broken: Callable[[str], None],
+        checksum: ChecksumKind, io_timeout: float, on_broken: Callable[[str], None], access: BlockAccess,
     ) -> None:
         self.sock = sock
+        self.access = access
         self.payload = payload
         self.layout = layout
         self.peer = peer
@@ -197,7 +199,8 @@ class _Connection:
                 recv_exact(self.sock, TRAILER.size)
             self._send_control(Kind.ERROR if error else Kind.ACK, frame.request_id, error or "")
         elif frame.kind == Kind.READ:
-            error = range_error(frame, layout.num_layers, layout.num_blocks, "src")
+            error = range_error(frame, layout.num_layers, layout.num_blocks, "src") or self.access.refusal(
+                self.peer.name, Access.READ, (r.src + i for r in frame.runs for i in range(r.count)))
             if error is None:
                 data = Frame(Kind.DATA, self.checksum, frame.request_id, frame.layer, frame.layer_count,
                              frame.runs, frame.layer_count * frame.num_blocks * self.block_bytes)
@@ -218,7 +221,8 @@ class _Connection:
     def _check_incoming(self, frame: Frame) -> str | None:
         if frame.checksum != self.checksum:
             return f"checksum kind {frame.checksum} differs from the negotiated {self.checksum}"
-        return range_error(frame, self.layout.num_layers, self.layout.num_blocks, "dst")
+        return range_error(frame, self.layout.num_layers, self.layout.num_blocks, "dst") or self.access.refusal(
+            self.peer.name, Access.WRITE, (r.dst + i for r in frame.runs for i in range(r.count)))
 
     def _recv_kv(self, frame: Frame) -> str | None:
         """Receive a frame's payload into its destination blocks; the reason if it fails its checksum."""
@@ -347,5 +351,5 @@ class TcpTransport(LinkedTransport):
         session = TcpSession(peer, conns, self.layout, self.pool.device.type == "cuda")
         for sock, payload in zip(socks, self._payloads(socks, extras, initiator), strict=True):
             conns.append(_Connection(sock, payload, self.layout, peer, ChecksumKind(checksum),
-                                     self.io_timeout, session._on_broken))
+                                     self.io_timeout, session._on_broken, self.access))
         return session

@@ -1,0 +1,119 @@
+"""The transfer listener's resources stay bounded against whoever reaches its port.
+
+An in-process tcp transport on loopback; the "attacker" is raw sockets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import socket
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from disagg.workers.transfer import KVLayout, KVTransport, PeerInfo, create_transport
+from disagg.workers.transfer.handshake import Hello, initiate
+from disagg.workers.transfer.wire import supported_checksums
+
+LAYOUT = KVLayout("test-model", "float16", num_layers=2, num_blocks=8, block_size=4, num_kv_heads=2, head_dim=8)
+IO_TIMEOUT_S = 1.0
+
+
+@contextlib.contextmanager
+def listening(**options: object) -> Iterator[tuple[KVTransport, tuple[str, int]]]:
+    pool = torch.zeros(LAYOUT.shape, dtype=LAYOUT.torch_dtype)
+    transport = create_transport("tcp", pool, LAYOUT, "prefill-l", "127.0.0.1:1", io_timeout=IO_TIMEOUT_S,
+                                 **options)  # fmt: skip
+    try:
+        host, port = transport.start("127.0.0.1", 0).rsplit(":", 1)
+        yield transport, (host, int(port))
+    finally:
+        transport.close()
+
+
+def closed_by_peer_within(sock: socket.socket, seconds: float) -> bool:
+    """True when the other end closes `sock` within `seconds` (reading and dropping what it sends)."""
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        sock.settimeout(left)
+        try:
+            if not sock.recv(4096):
+                return True
+        except TimeoutError:
+            return False
+        except ConnectionError:
+            return True
+    return False
+
+
+def test_a_trickling_handshake_is_cut_at_one_deadline() -> None:
+    """One byte every 0.3 s kept a per-recv timeout waiting forever; the whole handshake has one deadline."""
+    with listening() as (_, address), socket.create_connection(address, timeout=5) as sock:
+        started = time.monotonic()
+        cut = False
+        for _ in range(int(4 * IO_TIMEOUT_S / 0.3)):
+            try:
+                sock.sendall(b"D")
+            except OSError:
+                cut = True
+                break
+            if closed_by_peer_within(sock, 0.3):
+                cut = True
+                break
+        assert cut, "the listener still holds a trickling connection"
+        assert time.monotonic() - started < IO_TIMEOUT_S + 1.0
+
+
+def test_connections_beyond_the_pending_cap_are_closed_at_accept() -> None:
+    with listening(max_pending=2) as (_, address):
+        held = [socket.create_connection(address, timeout=5) for _ in range(2)]
+        try:
+            time.sleep(0.2)  # let the listener take both
+            with socket.create_connection(address, timeout=5) as third:
+                assert closed_by_peer_within(third, IO_TIMEOUT_S / 2), "a third connection got a thread"
+        finally:
+            for sock in held:
+                sock.close()
+
+
+def test_a_parked_connection_of_an_incomplete_session_expires() -> None:
+    """A valid handshake for connection 0 of 2 waits for its sibling only `io_timeout`."""
+    with listening() as (transport, address), socket.create_connection(address, timeout=5) as sock:
+        me = PeerInfo("decode-l", "127.0.0.1:2", LAYOUT)
+        hello = Hello(me, "tcp", uuid.uuid4().hex, 0, 2, [int(k) for k in supported_checksums()])
+        reply, _ = initiate(sock, hello, None, time.monotonic() + 5)
+        assert reply.ok, reply.reason
+        assert closed_by_peer_within(sock, IO_TIMEOUT_S + 2.0), "parked for good"
+        assert transport.peers() == {}
+
+
+def test_running_out_of_file_descriptors_does_not_end_the_accept_loop() -> None:
+    with listening() as (transport, address):
+        client = socket.socket(socket.AF_INET, socket.SOCK_STREAM)  # its fd exists before the limit
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        fillers: list[int] = []
+        try:
+            highest = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+            resource.setrlimit(resource.RLIMIT_NOFILE, (highest + 1, hard))
+            with pytest.raises(OSError):  # take every free descriptor below the limit
+                while True:
+                    fillers.append(os.open(os.devnull, os.O_RDONLY))
+            client.connect(address)
+            time.sleep(0.5)  # accept() fails with EMFILE meanwhile
+        finally:
+            for fd in fillers:
+                os.close(fd)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        client.close()
+        pool = torch.zeros(LAYOUT.shape, dtype=LAYOUT.torch_dtype)
+        decode = create_transport("tcp", pool, LAYOUT, "decode-l", "127.0.0.1:2", num_connections=1)
+        try:
+            session = decode.connect(f"{address[0]}:{address[1]}", timeout=5)
+            assert session.is_open and transport.session("decode-l", timeout=5).is_open
+        finally:
+            decode.close()

@@ -1,0 +1,118 @@
+"""Authenticated control calls: the check every DisaggPDService and
+XllmRpcService call (and xLLM's HTTP link routes) passes, and the client side
+that signs them.
+
+A call carries `ClusterKey.credential(method)` in the `x-disagg-auth` gRPC
+metadata (the `X-Disagg-Auth` header over HTTP); anything else is answered
+UNAUTHENTICATED (401) and counted in `disagg_auth_failures_total{path}`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import grpc
+
+from disagg.workers.security.key import AuthError, ClusterKey, CredentialVerifier
+
+log = logging.getLogger(__name__)
+
+METADATA_KEY = "x-disagg-auth"
+HTTP_HEADER = "X-Disagg-Auth"
+REFUSAL = "missing or invalid cluster credential"  # all a refused caller learns
+
+
+class ControlGuard:
+    """Decides whether a control call may proceed.
+
+    Args:
+        key: the cluster key; None = insecure (every call passes).
+        allow_anonymous: calls with no credential at all pass (an xLLM peer,
+            which cannot send one); a wrong credential is still refused.
+        on_failure: called with the path ("grpc", "http-link") of each refusal.
+    """
+
+    def __init__(self, key: ClusterKey | None, allow_anonymous: bool = False,
+                 on_failure: Callable[[str], None] | None = None) -> None:  # fmt: skip
+        self.key = key
+        self.allow_anonymous = allow_anonymous
+        self._verifier = CredentialVerifier(key) if key is not None else None
+        self._on_failure = on_failure
+
+    @property
+    def insecure(self) -> bool:
+        return self._verifier is None
+
+    def allows(self, method: str, credential: str | None, path: str) -> bool:
+        """Whether a call of `method` with `credential` may proceed; a refusal is logged and counted."""
+        if self._verifier is None or (credential is None and self.allow_anonymous):
+            return True
+        try:
+            if credential is None:
+                raise AuthError("no credential")
+            self._verifier.verify(method, credential)
+        except AuthError as exc:
+            log.warning("refused %s call %s: %s", path, method, exc)
+            if self._on_failure is not None:
+                self._on_failure(path)
+            return False
+        return True
+
+
+async def _refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSAL)
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses, before any servicer runs, every call that `guard` does not allow."""
+
+    def __init__(self, guard: ControlGuard) -> None:
+        self._guard = guard
+
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:  # fmt: skip
+        metadata = dict(details.invocation_metadata or ())  # type: ignore[attr-defined]
+        credential = metadata.get(METADATA_KEY)
+        method: str = details.method  # type: ignore[attr-defined]
+        if self._guard.allows(method, credential if isinstance(credential, str) else None, "grpc"):
+            return await continuation(details)
+        # Every service method is unary-unary; the request is never parsed.
+        return grpc.unary_unary_rpc_method_handler(_refuse)
+
+
+class CredentialInterceptor(grpc.aio.UnaryUnaryClientInterceptor):
+    """Adds a fresh credential for the method to every outgoing unary call."""
+
+    def __init__(self, key: ClusterKey) -> None:
+        self._key = key
+
+    async def intercept_unary_unary(self, continuation: Any, details: grpc.aio.ClientCallDetails,
+                                    request: Any) -> Any:  # fmt: skip
+        method = details.method.decode() if isinstance(details.method, bytes) else str(details.method)
+        metadata = grpc.aio.Metadata(*(details.metadata or ()))
+        metadata.add(METADATA_KEY, self._key.credential(method))
+        signed = grpc.aio.ClientCallDetails(method=details.method, timeout=details.timeout, metadata=metadata,
+                                            credentials=details.credentials,
+                                            wait_for_ready=details.wait_for_ready)  # fmt: skip
+        return await continuation(signed, request)
+
+
+def control_channel(address: str, key: ClusterKey | None,
+                    options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:  # fmt: skip
+    """A channel to a worker's gRPC port whose calls carry credentials of `key` (None: none)."""
+    interceptors = [CredentialInterceptor(key)] if key is not None else None
+    return grpc.aio.insecure_channel(address, options=list(options), interceptors=interceptors)
+
+
+def http_method(path: str) -> str:
+    """What an HTTP control credential is bound to: never valid as a gRPC one for the same call."""
+    return f"POST {path}"
+
+
+def http_credential_headers(key: ClusterKey | None, path: str) -> dict[str, str]:
+    """Headers for an HTTP control call to `path` (xLLM's link routes)."""
+    return {} if key is None else {HTTP_HEADER: key.credential(http_method(path))}
