@@ -20,7 +20,7 @@ import torch
 from disagg.proto import disagg_pd_pb2 as pb, disagg_pd_pb2_grpc, xllm_service_pb2_grpc
 from disagg.workers.engine.sampling_params import SamplingParams
 from disagg.workers.pd.convert import request_to_proto
-from disagg.workers.pd.links import InstanceInfo
+from disagg.proto.vocabulary import InstanceInfo
 from disagg.workers.pd.messages import NewRequest
 from disagg.workers.security.control import METADATA_KEY, control_channel
 from disagg.workers.security.key import ClusterKey
