@@ -104,10 +104,16 @@ def _build_mixed(engine_config: EngineConfig, server_config: ServerConfig, metri
     return _MixedWorker(LocalEngineBackend.from_config(engine_config, server_config.served_model_name))
 
 
-def _build_pd(engine_config: EngineConfig, server_config: ServerConfig, metrics: WorkerMetrics) -> Worker:
-    from disagg.workers.pd.worker import build_worker
+def _build_prefill(engine_config: EngineConfig, server_config: ServerConfig, metrics: WorkerMetrics) -> Worker:
+    from disagg.workers.pd.worker import build_prefill
 
-    return build_worker(engine_config, server_config, metrics)
+    return build_prefill(engine_config, server_config, metrics)
+
+
+def _build_decode(engine_config: EngineConfig, server_config: ServerConfig, metrics: WorkerMetrics) -> Worker:
+    from disagg.workers.pd.worker import build_decode
+
+    return build_decode(engine_config, server_config, metrics)
 
 
 @dataclass(frozen=True)
@@ -123,8 +129,8 @@ class RoleSpec:
 # The role is decided here, and only here.
 ROLES: dict[Role, RoleSpec] = {
     Role.MIXED: RoleSpec(_build_mixed, serves_completions=True, link_routes=False),
-    Role.PREFILL: RoleSpec(_build_pd, serves_completions=True, link_routes=True),
-    Role.DECODE: RoleSpec(_build_pd, serves_completions=False, link_routes=True),
+    Role.PREFILL: RoleSpec(_build_prefill, serves_completions=True, link_routes=True),
+    Role.DECODE: RoleSpec(_build_decode, serves_completions=False, link_routes=True),
 }
 
 

@@ -1,19 +1,21 @@
 """A prefill or decode worker: its role's parts, engine and gRPC server.
 
-`build_worker` loads the model and starts the transfer listener (blocking, in
-the loader thread); `PDWorker.start` then joins the event loop: the role's
-watchers and the gRPC server of the role's handlers.
+`build_prefill` and `build_decode` (the builders `server.ROLES` names) load the
+model and start the transfer listener (blocking, in the loader thread);
+`PDWorker.start` then joins the event loop: the role's watchers and the gRPC
+server of the role's handlers.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import grpc
 
-from disagg.workers.config import Role, ServerConfig, default_kv_connections
+from disagg.workers.config import ServerConfig, default_kv_connections
 from disagg.workers.engine.config import EngineConfig
-from disagg.workers.http.backend import Backend, Health, load_engine
+from disagg.workers.http.backend import Backend, Health, LoadedEngine, load_engine
 from disagg.workers.metrics import WorkerMetrics
 from disagg.workers.pd.clients import PeerClients
 from disagg.workers.pd.config import PDConfig
@@ -21,7 +23,7 @@ from disagg.workers.pd.decode import DecodeRole
 from disagg.workers.pd.messages import TransferMode
 from disagg.workers.pd.prefill import PrefillRole
 from disagg.workers.pd.service import Handlers, build_grpc_server
-from disagg.workers.transfer import KVLayout, create_transport
+from disagg.workers.transfer import KVLayout, KVTransport, create_transport
 
 log = logging.getLogger(__name__)
 
@@ -29,8 +31,10 @@ log = logging.getLogger(__name__)
 class PDWorker:
     """A role plus its gRPC server."""
 
-    def __init__(self, role: PrefillRole | DecodeRole, server_config: ServerConfig, config: PDConfig) -> None:
+    def __init__(self, role: PrefillRole | DecodeRole, backend: Backend | None, server_config: ServerConfig,
+                 config: PDConfig) -> None:  # fmt: skip
         self.role = role
+        self._backend = backend
         self._server_config = server_config
         self._config = config
         self._grpc: grpc.aio.Server | None = None
@@ -41,8 +45,8 @@ class PDWorker:
 
     @property
     def backend(self) -> Backend | None:
-        """A prefill serves client completions; a decode serves none."""
-        return self.role if isinstance(self.role, PrefillRole) else None
+        """The completion backend; None for a decode, which takes no client requests."""
+        return self._backend
 
     @property
     def handlers(self) -> Handlers:
@@ -64,10 +68,42 @@ class PDWorker:
         self.role.close()
 
 
-def build_worker(engine_config: EngineConfig, server_config: ServerConfig,
+@dataclass(frozen=True)
+class _Parts:
+    """What either role is built from: a loaded engine whose transfer listener runs."""
+
+    loaded: LoadedEngine
+    transport: KVTransport
+    transfer_address: str  # where peers reach this worker's data path
+    clients: PeerClients
+    config: PDConfig
+
+
+def build_prefill(engine_config: EngineConfig, server_config: ServerConfig,
+                  metrics: WorkerMetrics, config: PDConfig | None = None) -> PDWorker:  # fmt: skip
+    """A prefill worker: its role is also the client completion Backend."""
+    parts = _load(engine_config, server_config, config)
+    loaded = parts.loaded
+    mode = TransferMode(server_config.kv_transfer_mode.value)
+    role = PrefillRole(loaded.engine, loaded.tokenizer, loaded.model, parts.transport, parts.clients, metrics,
+                       parts.config, server_config.instance_name, parts.transfer_address, mode)  # fmt: skip
+    loaded.engine.start()  # after the role installed its layer hook
+    return PDWorker(role, role, server_config, parts.config)
+
+
+def build_decode(engine_config: EngineConfig, server_config: ServerConfig,
                  metrics: WorkerMetrics, config: PDConfig | None = None) -> PDWorker:  # fmt: skip
-    """Load the model, start the engine and the transfer listener, build the role."""
-    assert server_config.role in (Role.PREFILL, Role.DECODE), "the mixed role has no PD worker"
+    """A decode worker: no completion Backend."""
+    parts = _load(engine_config, server_config, config)
+    loaded = parts.loaded
+    role = DecodeRole(loaded.engine, loaded.tokenizer, loaded.model, parts.transport, parts.clients, metrics,
+                      parts.config)  # fmt: skip
+    loaded.engine.start()
+    return PDWorker(role, None, server_config, parts.config)
+
+
+def _load(engine_config: EngineConfig, server_config: ServerConfig, config: PDConfig | None) -> _Parts:
+    """Load the model (not started yet) and start the transfer listener."""
     config = config or PDConfig()
     loaded = load_engine(engine_config, server_config.served_model_name)
     pool = loaded.engine.kv_pool
@@ -79,13 +115,4 @@ def build_worker(engine_config: EngineConfig, server_config: ServerConfig,
                                  num_connections=connections)  # fmt: skip
     bound = transport.start(server_config.host, server_config.transfer_port)
     transfer_address = f"{server_config.instance_host}:{bound.rpartition(':')[2]}"
-    clients = PeerClients(config)
-    role: PrefillRole | DecodeRole
-    if server_config.role is Role.PREFILL:
-        mode = TransferMode(server_config.kv_transfer_mode.value)
-        role = PrefillRole(loaded.engine, loaded.tokenizer, loaded.model, transport, clients, metrics, config, name,
-                           transfer_address, mode)  # fmt: skip
-    else:
-        role = DecodeRole(loaded.engine, loaded.tokenizer, loaded.model, transport, clients, metrics, config)
-    loaded.engine.start()
-    return PDWorker(role, server_config, config)
+    return _Parts(loaded, transport, transfer_address, PeerClients(config), config)
