@@ -17,7 +17,8 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from disagg.workers.engine.async_engine import AsyncEngine
@@ -32,6 +33,7 @@ from disagg.workers.pd.errors import InvalidMessage, LinkRefused, PDError, PeerT
 from disagg.workers.pd.links import InstanceInfo, PeerTable
 from disagg.workers.pd.messages import Admission, FirstToken, NewRequest, Reservation, TransferMode
 from disagg.workers.pd.service import Handlers
+from disagg.workers.streams import merge_streams
 from disagg.workers.transfer import KVTransport, LinkRefusedError, TransferError, TransferTimeout
 
 log = logging.getLogger(__name__)
@@ -68,7 +70,7 @@ class DecodeRole(EngineHealth["AsyncEngine[LLMEngine]"]):
     completion Backend: a decode takes no client requests).
 
     Ready while its engine runs and it is not draining: the data path listens
-    from before the role is built (`build_worker`) until close.
+    from before the role is built (`worker.build_decode`) until close.
     """
 
     def __init__(self, engine: AsyncEngine[LLMEngine], tokenizer: Tokenizer, model: ModelInfo, transport: KVTransport,
@@ -199,34 +201,15 @@ class DecodeRole(EngineHealth["AsyncEngine[LLMEngine]"]):
         self._metrics.observe_kv_transfer("received", inc.prefill, handle.nbytes, time.monotonic() - started)
 
     async def _stream(self, inc: _Incoming, first: FirstToken) -> None:
-        """Generate and stream to the prefill until finished, refused or failed."""
+        """Generate and stream to the prefill until finished, refused or failed;
+        what the engine made while a Generations call was out goes in the next one."""
         req_id = inc.req.req_id
-        pending: asyncio.Queue[RequestOutput | None] = asyncio.Queue()
-
-        async def pump() -> None:
-            try:
-                async for out in self._engine.admit(req_id, first.token_id):
-                    pending.put_nowait(out)
-            except Exception as exc:  # the engine failed it: tell the prefill, which fails its client
-                log.warning("request %s failed in the engine: %s", req_id, exc)
-                pending.put_nowait(RequestOutput(
-                    request_id=req_id, new_token_ids=[], new_text="", finished=True,
-                    finish_reason=FinishReason.ABORT, num_prompt_tokens=len(inc.req.prompt_token_ids),
-                    num_output_tokens=0,
-                ))  # fmt: skip
-            finally:
-                pending.put_nowait(None)
-
-        pumping = asyncio.create_task(pump())
         status = RequestStatus.ERROR
         try:
-            while True:
-                batch = [await pending.get()]
-                while not pending.empty():
-                    batch.append(pending.get_nowait())
-                outputs = [o for o in batch if o is not None]
-                if outputs:
-                    out = merge_outputs(outputs)
+            # Closing the merge closes the engine stream: an unfinished request is aborted and freed.
+            async with aclosing(merge_streams([self._outputs(inc, first)])) as batches:
+                async for batch in batches:
+                    out = merge_outputs([o for _, o in batch])
                     [tracked] = await self._clients.generations(inc.req.source_addr, [out])
                     if not tracked:
                         status = RequestStatus.ABORTED
@@ -234,14 +217,25 @@ class DecodeRole(EngineHealth["AsyncEngine[LLMEngine]"]):
                     if out.finished:
                         status = RequestStatus.ABORTED if out.finish_reason is FinishReason.ABORT else RequestStatus.OK
                         break
-                if None in batch:
-                    break
         except PDError as exc:
             log.warning("streaming %s to %s failed: %s", req_id, inc.req.source_addr, exc)
         finally:
-            pumping.cancel()  # closes the engine stream: an unfinished request is aborted and freed
             self._incoming.pop(req_id, None)
             self._metrics.count_request(status)
+
+    async def _outputs(self, inc: _Incoming, first: FirstToken) -> AsyncIterator[RequestOutput]:
+        """The engine's outputs after the first token; an engine failure ends them
+        with an "abort" output (the prefill then fails its client)."""
+        try:
+            async for out in self._engine.admit(inc.req.req_id, first.token_id):
+                yield out
+        except Exception as exc:
+            log.warning("request %s failed in the engine: %s", inc.req.req_id, exc)
+            yield RequestOutput(
+                request_id=inc.req.req_id, new_token_ids=[], new_text="", finished=True,
+                finish_reason=FinishReason.ABORT, num_prompt_tokens=len(inc.req.prompt_token_ids),
+                num_output_tokens=0,
+            )  # fmt: skip
 
     async def _drop(self, req_id: str, reason: str) -> None:
         inc = self._incoming.pop(req_id, None)
