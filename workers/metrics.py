@@ -138,10 +138,12 @@ class WorkerMetrics:
     def count_prompt_tokens(self, n: int) -> None:
         self.prompt_tokens.inc(n)
 
-    def observe_kv_transfer(self, direction: str, peer: str, num_bytes: int, seconds: float) -> None:
+    def observe_kv_transfer(self, direction: str, peer: str, num_bytes: int, seconds: float | None = None) -> None:
+        """Count a transfer's bytes; `seconds` from the side that timed it (each transfer is timed once)."""
         assert direction in ("sent", "received"), f"unknown transfer direction {direction!r}"
         self.kv_transfer_bytes.labels(direction=direction, peer=peer).inc(num_bytes)
-        self.kv_transfer_seconds.observe(seconds)
+        if seconds is not None:
+            self.kv_transfer_seconds.observe(seconds)
 
     def set_engine_stats(self, stats: EngineStats) -> None:
         self.kv_blocks_total.set(stats.kv_blocks_total)

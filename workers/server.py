@@ -19,7 +19,8 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Generator
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 import uvicorn
 from fastapi import FastAPI
@@ -28,12 +29,11 @@ from disagg.workers.config import Role, ServerConfig
 from disagg.workers.engine.config import EngineConfig
 from disagg.workers.heap import freeze_startup_heap
 from disagg.workers.http.app import AppState, build_app
-from disagg.workers.http.backend import Backend
+from disagg.workers.http.backend import Backend, Health
 from disagg.workers.metrics import WorkerMetrics
 
 if TYPE_CHECKING:
-    from disagg.workers.pd.service import PDRole
-    from disagg.workers.pd.worker import PDWorker
+    from disagg.workers.pd.service import Handlers
 
 log = logging.getLogger(__name__)
 
@@ -43,15 +43,27 @@ class Worker(Protocol):
 
     `start` joins the event loop (a PD role's gRPC server); `stop` ends what
     `start` began, after the HTTP server has finished its requests; then
-    `backend.close()` stops the engine.
+    `close()` stops the engine.
     """
 
     @property
-    def backend(self) -> Backend: ...
+    def health(self) -> Health: ...
+
+    @property
+    def backend(self) -> Backend | None:
+        """The completion backend; None for a role that takes no client requests."""
+        ...
+
+    @property
+    def handlers(self) -> Handlers | None:
+        """The role's gRPC handlers, which also serve xLLM's HTTP link routes; None without PD."""
+        ...
 
     async def start(self) -> None: ...
 
     async def stop(self) -> None: ...
+
+    def close(self) -> None: ...
 
 
 # Builds a role's worker (blocking: it loads the model).
@@ -65,14 +77,25 @@ class _MixedWorker:
         self._backend = backend
 
     @property
+    def health(self) -> Health:
+        return self._backend
+
+    @property
     def backend(self) -> Backend:
         return self._backend
+
+    @property
+    def handlers(self) -> None:
+        return None
 
     async def start(self) -> None:
         return None
 
     async def stop(self) -> None:
         return None
+
+    def close(self) -> None:
+        self._backend.close()
 
 
 def _build_mixed(engine_config: EngineConfig, server_config: ServerConfig, metrics: WorkerMetrics) -> Worker:
@@ -81,14 +104,34 @@ def _build_mixed(engine_config: EngineConfig, server_config: ServerConfig, metri
     return _MixedWorker(LocalEngineBackend.from_config(engine_config, server_config.served_model_name))
 
 
-def _build_pd(engine_config: EngineConfig, server_config: ServerConfig, metrics: WorkerMetrics) -> Worker:
-    from disagg.workers.pd.worker import build_worker
+def _build_prefill(engine_config: EngineConfig, server_config: ServerConfig, metrics: WorkerMetrics) -> Worker:
+    from disagg.workers.pd.worker import build_prefill
 
-    return build_worker(engine_config, server_config, metrics)
+    return build_prefill(engine_config, server_config, metrics)
 
 
-# The role picks its builder here, and only here.
-WORKER_BUILDERS: dict[Role, WorkerBuilder] = {Role.MIXED: _build_mixed, Role.PREFILL: _build_pd, Role.DECODE: _build_pd}
+def _build_decode(engine_config: EngineConfig, server_config: ServerConfig, metrics: WorkerMetrics) -> Worker:
+    from disagg.workers.pd.worker import build_decode
+
+    return build_decode(engine_config, server_config, metrics)
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    """What a role is, for the server: its builder, and which HTTP routes it serves.
+    (The gRPC services follow from the handlers its worker has.)"""
+
+    build: WorkerBuilder
+    serves_completions: bool  # the OpenAI completion routes; else they answer 404
+    link_routes: bool  # xLLM's HTTP form of LinkInstance / UnlinkInstance
+
+
+# The role is decided here, and only here.
+ROLES: dict[Role, RoleSpec] = {
+    Role.MIXED: RoleSpec(_build_mixed, serves_completions=True, link_routes=False),
+    Role.PREFILL: RoleSpec(_build_prefill, serves_completions=True, link_routes=True),
+    Role.DECODE: RoleSpec(_build_decode, serves_completions=False, link_routes=True),
+}
 
 
 class _UvicornServer(uvicorn.Server):
@@ -104,27 +147,26 @@ class _UvicornServer(uvicorn.Server):
 def run(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     """Serve until SIGTERM/SIGINT; return the process exit code."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return asyncio.run(serve(engine_config, server_config, WORKER_BUILDERS[server_config.role]))
+    return asyncio.run(serve(engine_config, server_config, ROLES[server_config.role]))
 
 
-def _build_http_app(state: AppState, config: ServerConfig, worker: Callable[[], Worker | None]) -> FastAPI:
-    """The role's HTTP app: a decode takes no client requests; PD roles take xLLM's HTTP link calls."""
-    role = config.role
-    app = build_app(state, client_api=role is not Role.DECODE)
-    if role is not Role.MIXED:
+def _build_http_app(state: AppState, config: ServerConfig, spec: RoleSpec, worker: Callable[[], Worker | None]) -> FastAPI:
+    """The role's HTTP app, as its spec says."""
+    app = build_app(state, client_api=spec.serves_completions)
+    if spec.link_routes:
         from disagg.workers.pd.service import add_link_routes
         from disagg.workers.security.control import ControlGuard
 
-        def pd_role() -> PDRole | None:
+        def handlers() -> Handlers | None:
             current = worker()
-            return None if current is None else cast("PDWorker", current).role
+            return None if current is None else current.handlers
 
-        add_link_routes(app, pd_role,
+        add_link_routes(app, handlers,
                         ControlGuard(config.cluster_key, config.allow_anonymous_peers, state.metrics.count_auth_failure))
     return app
 
 
-async def serve(engine_config: EngineConfig, server_config: ServerConfig, builder: WorkerBuilder) -> int:
+async def serve(engine_config: EngineConfig, server_config: ServerConfig, spec: RoleSpec) -> int:
     metrics = WorkerMetrics(server_config.role.value)
     state = AppState(metrics)
     state.insecure = server_config.insecure
@@ -134,7 +176,7 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig, builde
     started: list[Worker] = []  # the worker, once started: the link routes serve it from then on
     http = _UvicornServer(
         uvicorn.Config(
-            _build_http_app(state, server_config, lambda: started[0] if started else None),
+            _build_http_app(state, server_config, spec, lambda: started[0] if started else None),
             host=server_config.host,
             port=server_config.http_port,
             lifespan="off",
@@ -145,7 +187,7 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig, builde
     )
     _install_signal_handlers(http)
     http_task = asyncio.create_task(http.serve(), name="http")
-    load_task = _in_daemon_thread(builder, engine_config, server_config, metrics)
+    load_task = _in_daemon_thread(spec.build, engine_config, server_config, metrics)
     first: list[asyncio.Future[Any]] = [http_task, load_task]
     done, _ = await asyncio.wait(first, return_when=asyncio.FIRST_COMPLETED)
     if load_task not in done:
@@ -169,26 +211,26 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig, builde
             await http_task
             return 1
         started.append(worker)
-        state.attach(worker.backend)
+        state.attach(worker.health, worker.backend)
         frozen = freeze_startup_heap()
         log.info("serving %s as %s on http://%s:%d (%d start-up objects frozen out of the garbage collector's reach)",
-                 worker.backend.model.name, server_config.role.value, server_config.host, server_config.http_port,
+                 worker.health.model.name, server_config.role.value, server_config.host, server_config.http_port,
                  frozen)  # fmt: skip
         await http_task
         # HTTP has finished its requests; a decode's requests come over gRPC: let them finish too.
-        await _finish_in_flight(worker.backend, server_config.graceful_shutdown_s, http)
+        await _finish_in_flight(worker.health, server_config.graceful_shutdown_s, http)
         await worker.stop()
     finally:
-        worker.backend.close()
+        worker.close()
     return _exit_code(http_task)
 
 
-async def _finish_in_flight(backend: Backend, timeout_s: float, http: uvicorn.Server) -> None:
+async def _finish_in_flight(health: Health, timeout_s: float, http: uvicorn.Server) -> None:
     """Take no new work and wait, bounded, until nothing is in flight (a second Ctrl-C stops waiting)."""
-    backend.set_draining(True)
+    health.set_draining(True)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and not http.force_exit:
-        stats = backend.stats()
+        stats = health.stats()
         if stats.requests_running + stats.requests_waiting == 0:
             return
         await asyncio.sleep(0.1)

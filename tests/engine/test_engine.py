@@ -16,8 +16,8 @@ import torch
 from disagg.testing.tiny_model import FAMILIES
 from disagg.workers.engine.async_engine import AsyncEngine, EngineError, EngineStats
 from disagg.workers.engine.config import EngineConfig
-from disagg.workers.engine.llm_engine import LLMEngine
-from disagg.workers.engine.outputs import RequestOutput
+from disagg.workers.engine.llm_engine import LLMEngine, OutOfBlocks, PromptTooLarge
+from disagg.workers.engine.outputs import FinishReason, RequestOutput
 from disagg.workers.engine.sampling_params import SamplingParams
 
 torch.set_num_threads(2)
@@ -384,3 +384,45 @@ def test_cuda_engine_matches_the_cpu_engine(make_engine: MakeEngine) -> None:
     assert first.token_ids == second.token_ids and len(first.token_ids) == 8
     bf16 = run(make_engine(device="cuda", dtype="bfloat16"), [(p, GREEDY) for p in batch])
     assert all(len(r.token_ids) == GREEDY.max_tokens for r in bf16)
+
+
+def test_hand_off_then_admit_elsewhere_equals_one_engine(make_engine: MakeEngine) -> None:
+    """The PD split inside one process: `hold_after_first_token` on one engine,
+    `reserve_request` + a KV copy + `admit_request` on another."""
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompt = prompts(1, [10], seed=3)[0]
+    [expected] = tokens(run(make_engine(), [(prompt, params)]))
+    prefill, decode = make_engine(), make_engine()
+    prefill.add_request("r", prompt, params, hold_after_first_token=True)
+    outputs = []
+    while prefill.has_unfinished_requests:
+        outputs += prefill.step()
+    [hand_off] = outputs
+    assert hand_off.finished and hand_off.handed_off and hand_off.finish_reason is None
+    assert hand_off.new_token_ids == expected[:1]
+    src = prefill.block_ids("r")  # held: the blocks stay until released
+    prefill.check_integrity()
+    dst = decode.reserve_request("r", prompt, params)
+    assert len(dst) == len(src) and not decode.has_unfinished_requests
+    decode.kv_cache.tensor[:, dst] = prefill.kv_cache.tensor[:, src]
+    assert prefill.release_request("r") and not prefill.release_request("r")
+    decode.admit_request("r", hand_off.new_token_ids[0])
+    rest: list[int] = []
+    while decode.has_unfinished_requests:
+        for out in decode.step():
+            rest += out.new_token_ids
+    assert hand_off.new_token_ids + rest == expected
+    assert out.finish_reason is FinishReason.LENGTH
+
+
+def test_reserve_request_refuses_what_never_fits_or_does_not_fit_now(make_engine: MakeEngine) -> None:
+    engine = make_engine(num_kv_blocks=4)
+    with pytest.raises(PromptTooLarge):
+        engine.reserve_request("big", list(range(3, 3 + 20)), GREEDY)
+    engine.reserve_request("a", list(range(3, 3 + 12)), GREEDY)
+    with pytest.raises(OutOfBlocks):
+        engine.reserve_request("b", list(range(3, 3 + 8)), GREEDY)
+    with pytest.raises(ValueError, match="already in use"):
+        engine.reserve_request("a", [5], GREEDY)
+    assert engine.abort_request("a")
+    engine.step()  # delivers the abort

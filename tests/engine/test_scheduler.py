@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from disagg.workers.engine.block_manager import BlockManager
+from disagg.workers.engine.outputs import FinishReason
 from disagg.workers.engine.request import Request, RequestStatus
 from disagg.workers.engine.sampling_params import SamplingParams
 from disagg.workers.engine.scheduler import Scheduler, SchedulerOutput
@@ -35,7 +36,7 @@ def step(scheduler: Scheduler) -> SchedulerOutput:
             if request.num_output_tokens >= request.sampling_params.max_tokens:
                 scheduler.finish(request, RequestStatus.FINISHED_LENGTH)
     bm = scheduler.block_manager
-    bm.check_integrity(scheduler.running)
+    bm.check_integrity(scheduler.requests.values())
     return output
 
 
@@ -182,3 +183,53 @@ def test_prefix_cache_hit_skips_computed_tokens(scheduler: Scheduler) -> None:
     assert twin.num_cached_tokens == 8  # two full blocks
     assert output.num_new_tokens == [3]
     run_to_completion(scheduler)
+
+
+def test_reserve_then_admit_running_decodes_without_a_prefill(scheduler: Scheduler) -> None:
+    request = make_request("r", 9, max_tokens=3)
+    assert scheduler.can_reserve(request)
+    scheduler.reserve(request)
+    # Reserved: owns every prompt block in the one table, but is never scheduled.
+    assert request.status is RequestStatus.RESERVED and len(request.block_table) == request.num_blocks
+    assert scheduler.requests["r"] is request and not scheduler.has_unfinished_requests
+    scheduler.block_manager.check_integrity(scheduler.requests.values())
+    assert scheduler.schedule().is_empty
+    scheduler.admit_running(request)
+    request.append_token(7)  # the first token, sampled where the prompt ran
+    assert request.status is RequestStatus.RUNNING and request.num_computed_tokens == request.num_prompt_tokens
+    first = step(scheduler)
+    assert first.requests == [request] and first.num_new_tokens == [1]  # a decode step, not a prefill
+    run_to_completion(scheduler)
+    assert request.status is RequestStatus.FINISHED_LENGTH and "r" not in scheduler.requests
+
+
+def test_reserve_fails_cleanly_when_blocks_run_out() -> None:
+    s = make_scheduler(num_blocks=4)
+    s.reserve(make_request("a", 12))
+    assert not s.can_reserve(make_request("b", 8))
+    assert s.abort("a") is not None  # a reserved request aborts like any other
+    assert s.block_manager.num_free_blocks == 4 and not s.requests
+
+
+def test_hold_keeps_the_blocks_out_of_the_batch_until_release(scheduler: Scheduler) -> None:
+    held = make_request("held", 9, max_tokens=50)
+    other = make_request("other", 5, max_tokens=2)
+    scheduler.add(held)
+    scheduler.add(other)
+    step(scheduler)
+    scheduler.hold(held)
+    blocks = list(held.block_table)
+    assert held.status is RequestStatus.HELD and held not in scheduler.running
+    run_to_completion(scheduler)  # only `other` runs; `held` keeps its blocks meanwhile
+    assert held.block_table == blocks and scheduler.requests == {"held": held}
+    scheduler.block_manager.check_integrity(scheduler.requests.values())
+    scheduler.release(held)
+    assert not held.block_table and not scheduler.requests and held.status.is_finished
+
+
+def test_statuses_map_to_finish_reasons() -> None:
+    for reason in FinishReason:
+        status = RequestStatus.finished(reason)
+        assert status.is_finished and status.finish_reason is reason
+    for live in (RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.RESERVED, RequestStatus.HELD):
+        assert not live.is_finished and live.finish_reason is None

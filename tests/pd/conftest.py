@@ -31,7 +31,7 @@ from disagg.workers.engine.sampling_params import SamplingParams
 from disagg.workers.local import WorkerProcess, free_port, spawn_worker
 from disagg.workers.metrics import WorkerMetrics
 from disagg.workers.pd.config import PDConfig
-from disagg.workers.pd.worker import PDWorker, build_worker
+from disagg.workers.pd.worker import PDWorker, build_decode, build_prefill
 from disagg.workers.security.control import control_channel
 from disagg.workers.security.key import ClusterKey
 
@@ -71,7 +71,8 @@ class Pair:
 async def start_worker(model: Path, role: Role, mode: str = "PUSH", pd: PDConfig | None = None,
                        connections: int | None = None, **engine: Any) -> tuple[PDWorker, ServerConfig]:
     config = server_config(role, mode, connections)
-    worker = build_worker(engine_config(model, **engine), config, WorkerMetrics(role.value), pd)
+    build = build_prefill if role is Role.PREFILL else build_decode
+    worker = build(engine_config(model, **engine), config, WorkerMetrics(role.value), pd)
     await worker.start()
     return worker, config
 

@@ -11,12 +11,13 @@ from typing import Any
 import grpc
 import pytest
 
-from disagg.proto import disagg_pd_pb2 as pb, disagg_pd_pb2_grpc
+from disagg.proto import disagg_pd_pb2 as pb, disagg_pd_pb2_grpc, xllm_service_pb2_grpc
 from disagg.workers.config import Role
 from disagg.workers.engine.sampling_params import SamplingParams
-from disagg.workers.http.errors import APIError
+from disagg.workers.http.errors import role_api_error
 from disagg.workers.pd.config import PDConfig
 from disagg.workers.pd.convert import SAMPLING_EXTRAS_KEY, request_to_proto
+from disagg.workers.pd.errors import DecodeFailed, NoDecodeAvailable
 from disagg.workers.pd.messages import NewRequest
 from disagg.workers.security.control import control_channel
 
@@ -103,9 +104,9 @@ async def test_link_with_a_different_block_size_is_refused(pd_pair: Callable[...
 
 async def test_no_linked_decode_is_a_503(pd_pair: Callable[..., Any]) -> None:
     async with pd_pair(link=False) as pair:
-        with pytest.raises(APIError) as err:
+        with pytest.raises(NoDecodeAvailable) as err:
             await collect(pair, "x", prompt_of(5))
-        assert err.value.status == 503
+        assert role_api_error(err.value).status == 503
 
 
 async def test_link_and_unlink_are_idempotent_and_unlink_fails_requests(pd_pair: Callable[..., Any]) -> None:
@@ -117,7 +118,7 @@ async def test_link_and_unlink_are_idempotent_and_unlink_fails_requests(pd_pair:
         assert not task.done()
         assert (await pair.stub.UnlinkInstance(pair.prefill_info.to_proto(), timeout=10)).ok
         assert (await pair.stub.UnlinkInstance(pair.prefill_info.to_proto(), timeout=10)).ok
-        with pytest.raises(APIError, match="went away"):
+        with pytest.raises(DecodeFailed, match="went away"):
             await asyncio.wait_for(task, 20)
         await wait_for(lambda: free_blocks(pair) == (NUM_KV_BLOCKS, NUM_KV_BLOCKS), "every block is free")
         # Linked again, it serves again.
@@ -172,3 +173,42 @@ async def test_bad_rpcs_get_errors_and_the_decode_keeps_serving(pd_pair: Callabl
         await wait_for(lambda: free_blocks(pair) == (NUM_KV_BLOCKS, NUM_KV_BLOCKS), "the reservation is freed")
         # The decode still serves.
         assert len(await collect(pair, "after", prompt_of(7))) == GREEDY.max_tokens
+
+
+async def test_each_role_serves_only_its_own_rpcs(pd_pair: Callable[..., Any]) -> None:
+    async with pd_pair(link=False) as pair:
+        channel = grpc.aio.insecure_channel(pair.prefill_config.instance_name)
+        decode_channel = grpc.aio.insecure_channel(pair.decode_config.instance_name)
+        try:
+            prefill = disagg_pd_pb2_grpc.DisaggPDServiceStub(channel)
+
+            async def refusal(call: Any) -> tuple[grpc.StatusCode, str]:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await call
+                return err.value.code(), err.value.details() or ""
+
+            first = pb.DisaggGenerationsRequests(multi_gens=[pb.DisaggGenerationsRequest(
+                req_id="x", tokens=[pb.RemoteToken(token_id=5)], kv_cache_transfer_mode="PUSH")])
+            for call in (prefill.AddNewRequests(pb.DisaggRequests(prefill_name="p"), timeout=5),
+                         prefill.FirstGeneration(first, timeout=5),
+                         prefill.LinkInstance(pair.prefill_info.to_proto(), timeout=5)):
+                code, details = await refusal(call)
+                assert code == grpc.StatusCode.FAILED_PRECONDITION and "prefill instance" in details
+            # Unlinking an unknown decode is a no-op on either role.
+            assert (await prefill.UnlinkInstance(pair.prefill_info.to_proto(), timeout=5)).ok
+            # Generations: the prefill drops an unknown request; a malformed finish reason is refused.
+            tokens = xllm_service_pb2_grpc.XllmRpcServiceStub(channel)
+            gen = pb.DisaggStreamGeneration(req_id="gone", finished=True,
+                                            outputs=[pb.SequenceOutput(token_ids=[5], finish_reason="stop")])
+            answer = await tokens.Generations(pb.DisaggStreamGenerations(gens=[gen]), timeout=5)
+            assert [s.ok for s in answer.all_status] == [False]
+            gen.outputs[0].finish_reason = "handoff"
+            code, _ = await refusal(tokens.Generations(pb.DisaggStreamGenerations(gens=[gen]), timeout=5))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT
+            # A decode does not serve XllmRpcService at all.
+            to_decode = xllm_service_pb2_grpc.XllmRpcServiceStub(decode_channel)
+            code, _ = await refusal(to_decode.Generations(pb.DisaggStreamGenerations(gens=[gen]), timeout=5))
+            assert code == grpc.StatusCode.UNIMPLEMENTED
+        finally:
+            await channel.close()
+            await decode_channel.close()

@@ -13,12 +13,15 @@ import concurrent.futures
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from disagg.workers.engine.llm_engine import LLMEngine
-from disagg.workers.engine.outputs import RequestOutput
+import torch
+
+from disagg.workers.engine.llm_engine import LayerHook, LLMEngine
+from disagg.workers.engine.outputs import FinishReason, RequestOutput, TokenLogprob
+from disagg.workers.engine.request import Request
 from disagg.workers.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -75,6 +78,13 @@ class _Add:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    hold_after_first_token: bool = False
+
+
+@dataclass(frozen=True)
+class _Admit:
+    request_id: str
+    token_id: int  # the first token, sampled where the prompt ran
 
 
 @dataclass(frozen=True)
@@ -88,7 +98,7 @@ class _Call:
     future: concurrent.futures.Future[object]
 
 
-_Command = _Add | _Abort | _Call
+_Command = _Add | _Admit | _Abort | _Call
 
 
 class AsyncEngine(Generic[E]):
@@ -129,24 +139,34 @@ class AsyncEngine(Generic[E]):
 
     # --- requests -----------------------------------------------------------
 
-    async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[RequestOutput]:
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 hold_after_first_token: bool = False) -> AsyncIterator[RequestOutput]:  # fmt: skip
         """Stream the request's outputs until the finished one.
 
+        With `hold_after_first_token` the stream ends after the first token
+        (`handed_off`), and the request's blocks stay held until `release`.
         Raises ValueError (on the first iteration) for a request the engine can
         never run, EngineError when the engine fails or stops. Closing or
         cancelling the iteration aborts the request and frees its blocks.
         """
+        return self._stream(request_id, _Add(request_id, list(prompt_token_ids), params, hold_after_first_token))
+
+    def admit(self, request_id: str, token_id: int) -> AsyncIterator[RequestOutput]:
+        """Decode a reserved request (see `LLMEngine.admit_request`) after its first
+        token; stream its later outputs, as `generate` does."""
+        return self._stream(request_id, _Admit(request_id, token_id))
+
+    async def _stream(self, request_id: str, command: _Add | _Admit) -> AsyncIterator[RequestOutput]:
         if not self.is_running:
             raise EngineError(f"the engine is not running: {self._dead or 'stopped'}")
-        self.engine.check_request(prompt_token_ids, params)
+        if isinstance(command, _Add):
+            self.engine.check_request(command.prompt_token_ids, command.params)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
-        self._submit(_Add(request_id, list(prompt_token_ids), params))
+        self._submit(command)
         finished = False
         try:
             async for item in outputs_until_finished(stream.queue):
@@ -176,6 +196,48 @@ class AsyncEngine(Generic[E]):
         except TimeoutError as exc:
             raise EngineError(f"the engine did not run a call within {_CALL_TIMEOUT_S:.0f} s") from exc
         return result  # type: ignore[return-value]
+
+    async def release(self, request_id: str) -> bool:
+        """Free the blocks of a held request; False when none holds them."""
+        return await self.call(lambda e: e.release_request(request_id))
+
+    async def block_ids(self, request_id: str) -> list[int]:
+        """The blocks of a live request (a held one's, to be read by another worker)."""
+        return await self.call(lambda e: e.block_ids(request_id))
+
+    def set_layer_hook(self, hook: LayerHook) -> None:
+        """Install the per-step layer hook; before `start`, as the engine thread reads it."""
+        assert not self._thread.is_alive(), "the layer hook is set before the engine starts"
+        self.engine.layer_hook = hook
+
+    # --- fixed settings: safe from any thread ------------------------------------
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError when the request can never run."""
+        self.engine.check_request(prompt_token_ids, params)
+
+    def new_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+        """A request this engine never runs (`follow` feeds it tokens made elsewhere)."""
+        return self.engine.new_request(request_id, prompt_token_ids, params)
+
+    def follow(self, request: Request, token_ids: Sequence[int], logprobs: Sequence[TokenLogprob] | None,
+               finish_reason: FinishReason | None = None) -> RequestOutput:
+        """See `LLMEngine.follow`: safe on any thread, for a request from `new_request`."""
+        return self.engine.follow(request, token_ids, logprobs, finish_reason)
+
+    def abort_followed(self, request: Request) -> RequestOutput:
+        """See `LLMEngine.abort_followed`: safe on any thread."""
+        return self.engine.abort_followed(request)
+
+    @property
+    def kv_pool(self) -> torch.Tensor:
+        """The KV pool tensor, which transports read and write in place (layout: kv_cache.py)."""
+        return self.engine.kv_cache.tensor
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one KV block across all layers (what a transfer moves per block)."""
+        return self.engine.kv_cache.spec.block_bytes
 
     def stats(self) -> EngineStats:
         engine = self.engine
@@ -229,7 +291,11 @@ class AsyncEngine(Generic[E]):
                     command.future.set_exception(exc)
                 continue
             try:
-                self.engine.add_request(command.request_id, command.prompt_token_ids, command.params)
+                if isinstance(command, _Admit):
+                    self.engine.admit_request(command.request_id, command.token_id)
+                else:
+                    self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
+                                            command.hold_after_first_token)  # fmt: skip
             except ValueError as exc:
                 self._deliver(command.request_id, exc)
 

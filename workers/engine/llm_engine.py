@@ -8,12 +8,18 @@ One request's life:
    text and checks the stop conditions.
 4. A stop condition, `max_tokens`, the context length or `abort_request`
    finishes it and frees its blocks; its last output says why.
+
+Work split across workers (PD) uses two more ways in and out: a request added
+with `hold_after_first_token` leaves the batch after its first token, holding
+its blocks until `release_request`; `reserve_request` allocates a prompt's
+blocks for KV computed elsewhere, and `admit_request` starts decoding it
+after the first token sampled there.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Set
+from collections.abc import Callable, Sequence, Set
 from typing import TYPE_CHECKING
 
 from disagg.workers.engine.block_manager import BlockManager
@@ -21,8 +27,9 @@ from disagg.workers.engine.config import EngineConfig
 from disagg.workers.engine.kv_cache import KVCache, KVCacheSpec, resolve_num_blocks
 from disagg.workers.engine.model_runner import ModelRunner, SampledToken
 from disagg.workers.engine.models.packing import packing_available
-from disagg.workers.engine.outputs import RequestOutput
+from disagg.workers.engine.outputs import FinishReason, RequestOutput, TokenLogprob
 from disagg.workers.engine.request import Request, RequestStatus
+from disagg.workers.engine.sampler import skip_draw
 from disagg.workers.engine.sampling_params import SamplingParams
 from disagg.workers.engine.scheduler import Scheduler, SchedulerOutput
 
@@ -35,6 +42,14 @@ logger = logging.getLogger(__name__)
 # Called with each step's schedule before its forward; may return a callback
 # that the forward runs with each layer's index once that layer's KV is written.
 LayerHook = Callable[[SchedulerOutput], Callable[[int], None] | None]
+
+
+class OutOfBlocks(RuntimeError):
+    """No free blocks to reserve for the prompt now (it may fit later)."""
+
+
+class PromptTooLarge(RuntimeError):
+    """The prompt can never fit this engine's context or KV pool."""
 
 
 class LLMEngine:
@@ -102,18 +117,77 @@ class LLMEngine:
         if any(not s for s in params.stop):
             raise ValueError("stop strings must not be empty")
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def new_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    hold_after_first_token: bool = False) -> Request:  # fmt: skip
+        """A checked request with its detokenizer, not yet known to the scheduler.
+        Reads only fixed settings, so any thread may call it."""
         self.check_request(prompt_token_ids, params)
-        if request_id in self.scheduler.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
         detokenizer = None
         if self.tokenizer is not None:
             detokenizer = self.tokenizer.detokenizer(prompt_token_ids, params.skip_special_tokens)
-        request = Request(
-            request_id, prompt_token_ids, params, self.config.block_size, detokenizer,
-            device=self.model_runner.device,
-        )
+        return Request(request_id, prompt_token_ids, params, self.config.block_size, detokenizer,
+                       device=self.model_runner.device, hold_after_first_token=hold_after_first_token)  # fmt: skip
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    hold_after_first_token: bool = False) -> None:  # fmt: skip
+        request = self.new_request(request_id, prompt_token_ids, params, hold_after_first_token)
+        self._check_unused(request_id)
         self.scheduler.add(request)
+
+    def reserve_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
+        """Allocate the blocks of a prompt whose KV is computed elsewhere; their ids, in prompt order.
+
+        Raises PromptTooLarge when it can never fit, OutOfBlocks when it does not fit now."""
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise PromptTooLarge(f"{len(prompt_token_ids)} prompt tokens; the context holds {self.max_model_len}")
+        request = self.new_request(request_id, prompt_token_ids, params)
+        self._check_unused(request_id)
+        if request.num_blocks > self.block_manager.num_blocks:
+            raise PromptTooLarge(f"the prompt needs {request.num_blocks} blocks of {self.block_manager.num_blocks}")
+        if not self.scheduler.can_reserve(request):
+            raise OutOfBlocks(f"{request.num_blocks} blocks needed, {self.block_manager.num_free_blocks} free")
+        self.scheduler.reserve(request)
+        return list(request.block_table)
+
+    def admit_request(self, request_id: str, token_id: int) -> None:
+        """A reserved request's prompt KV is in its blocks: decode on after `token_id`,
+        the first token, which was sampled (and sent to the client) elsewhere."""
+        request = self._live(request_id, RequestStatus.RESERVED)
+        self.scheduler.admit_running(request)
+        request.append_token(token_id)
+        if request.generator is not None and not request.sampling_params.is_greedy:
+            skip_draw(request.generator, self.model_config.vocab_size)  # the other worker's draw of token_id
+        status = self.stop_checker.check(request)
+        request.num_sent_tokens = 1
+        request.num_sent_chars = self.stop_checker.num_visible_chars(request)
+        if status is not None:
+            self.scheduler.finish(request, status)
+            self.report_finished(request)
+
+    def release_request(self, request_id: str) -> bool:
+        """Free the blocks of a held request; False when no request holds them."""
+        request = self.scheduler.requests.get(request_id)
+        if request is None or request.status is not RequestStatus.HELD:
+            return False
+        self.scheduler.release(request)
+        return True
+
+    def block_ids(self, request_id: str) -> list[int]:
+        """The blocks of a live request, in token order."""
+        request = self.scheduler.requests.get(request_id)
+        if request is None:
+            raise ValueError(f"no live request {request_id!r}")
+        return list(request.block_table)
+
+    def _check_unused(self, request_id: str) -> None:
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+
+    def _live(self, request_id: str, status: RequestStatus) -> Request:
+        request = self.scheduler.requests.get(request_id)
+        if request is None or request.status is not status:
+            raise ValueError(f"no {status.value} request {request_id!r}")
+        return request
 
     def abort_request(self, request_id: str) -> bool:
         """Cancel a request and free its blocks; its final output comes with the
@@ -146,11 +220,44 @@ class LLMEngine:
             request.append_token(token.token_id)
             if token.logprob is not None:
                 request.pending_logprobs.append(token.logprob)
+            if request.hold_after_first_token:
+                # No text or stop checks here: the worker that takes it over owns them.
+                self.scheduler.hold(request)
+                outputs.append(self.output(request))
+                continue
             status = self.stop_checker.check(request)
             if status is not None:
                 self.scheduler.finish(request, status)
             outputs.append(self.output(request))
         return outputs
+
+    def follow(self, request: Request, token_ids: Sequence[int], logprobs: Sequence[TokenLogprob] | None,
+               finish_reason: FinishReason | None = None) -> RequestOutput:
+        """Take in tokens of a request generated elsewhere (not in the scheduler):
+        its text, stop strings and finish exactly as if sampled here; its delta.
+
+        `finish_reason` ends it for a reason the tokens do not show (the other
+        worker's own limits). NOTE: reads only fixed settings, so any thread may call it.
+        """
+        for i, token in enumerate(token_ids):
+            if request.is_finished:
+                break  # a stop string ended it here; later tokens are dropped
+            request.append_token(token)
+            if logprobs:
+                request.pending_logprobs.append(logprobs[i])
+            status = self.stop_checker.check(request)
+            if status is not None:
+                request.status = status
+        if finish_reason is not None and not request.is_finished:
+            if request.detokenizer is not None:
+                request.output_text += request.detokenizer.flush()
+            request.status = RequestStatus.finished(finish_reason)
+        return self.output(request)
+
+    def abort_followed(self, request: Request) -> RequestOutput:
+        """End a followed request as aborted; its final delta."""
+        request.status = RequestStatus.FINISHED_ABORTED
+        return self.output(request)
 
     def output(self, request: Request) -> RequestOutput:
         """The request's delta since its previous output."""
@@ -161,18 +268,19 @@ class LLMEngine:
         request.num_sent_tokens = request.num_output_tokens
         request.num_sent_chars = max(request.num_sent_chars, visible)
         request.pending_logprobs.clear()
-        finished = request.is_finished
+        handed_off = request.status is RequestStatus.HELD
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=new_tokens,
             new_text=new_text,
-            finished=finished,
-            finish_reason=request.status.value if finished else None,
+            finished=request.is_finished or handed_off,
+            finish_reason=request.status.finish_reason,
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
             num_cached_tokens=request.num_cached_tokens,
             new_logprobs=logprobs,
             stop_reason=request.stop_reason,
+            handed_off=handed_off,
         )
 
     # --- state --------------------------------------------------------------
@@ -199,7 +307,7 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         """Assert the block pool's invariants (cheap enough to run when idle)."""
-        self.block_manager.check_integrity(self.scheduler.running)
+        self.block_manager.check_integrity(self.scheduler.requests.values())
 
 
 class StopChecker:

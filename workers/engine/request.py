@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from disagg.workers.engine.outputs import TokenLogprob
+from disagg.workers.engine.outputs import FinishReason, TokenLogprob
 
 if TYPE_CHECKING:
     from disagg.workers.engine.sampling_params import SamplingParams
@@ -32,15 +32,35 @@ class Detokenizer(Protocol):
 
 
 class RequestStatus(enum.Enum):
+    """Where a live request is; the scheduler's `requests` table owns it in
+    every live state, and only WAITING and RUNNING ones are scheduled."""
+
     WAITING = "waiting"  # queued, or preempted and queued again for recompute
     RUNNING = "running"  # holds KV blocks and is scheduled every step
+    RESERVED = "reserved"  # holds blocks for a prompt whose KV is computed elsewhere; not scheduled
+    HELD = "held"  # left the batch after its first token; holds its blocks until released
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
 
     @property
     def is_finished(self) -> bool:
-        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+        return self in _FINISH_REASONS
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self)
+
+    @classmethod
+    def finished(cls, reason: FinishReason) -> RequestStatus:
+        return next(s for s, r in _FINISH_REASONS.items() if r is reason)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+}
 
 
 class Request:
@@ -60,6 +80,7 @@ class Request:
         block_size: int,
         detokenizer: Detokenizer | None = None,
         device: torch.device | str = "cpu",
+        hold_after_first_token: bool = False,
     ) -> None:
         assert prompt_token_ids, "a request needs at least one prompt token"
         self.request_id = request_id
@@ -70,6 +91,9 @@ class Request:
         self.arrival = next(_arrival_counter)
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
+        # Leave the batch after the first sampled token, keeping the blocks
+        # (the prompt's KV goes to another worker, which generates the rest).
+        self.hold_after_first_token = hold_after_first_token
 
         # Paged KV: block_table[i] holds tokens [i * block_size, (i + 1) * block_size).
         self.block_table: list[int] = []

@@ -10,6 +10,12 @@ several steps. When blocks run out, the newest running request is preempted:
 its blocks are freed and it waits again at the front of the queue, to be
 recomputed (its cached full blocks usually come straight back from the
 prefix cache).
+
+Two more live states serve workers that split a request's work (PD): a
+request may be RESERVED (`reserve`: fresh blocks for a prompt whose KV is
+computed elsewhere; `admit_running` then joins it to the batch), and a
+running one may be HELD (`hold`: out of the batch, blocks kept until
+`release`). `requests` owns every live request, whatever its state.
 """
 
 from __future__ import annotations
@@ -67,13 +73,41 @@ class Scheduler:
 
     @property
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """Whether a step has work: reserved and held requests wait for other events."""
+        return bool(self.waiting or self.running)
 
     def add(self, request: Request) -> None:
-        assert request.request_id not in self.requests, f"duplicate request {request.request_id!r}"
-        assert request.status is RequestStatus.WAITING, f"{request} is not new"
-        self.requests[request.request_id] = request
+        self._register(request)
         self.waiting.append(request)
+
+    def can_reserve(self, request: Request) -> bool:
+        return self.block_manager.can_allocate(request, [], request.num_tokens)
+
+    def reserve(self, request: Request) -> None:
+        """Allocate every block of a new request's tokens without scheduling it."""
+        self._register(request)
+        # NOTE: fresh blocks only: a shared prefix-cache block must never be overwritten by a transfer.
+        self.block_manager.allocate(request, [], request.num_tokens)
+        request.status = RequestStatus.RESERVED
+
+    def admit_running(self, request: Request) -> None:
+        """A reserved request whose prompt KV is in its blocks joins the batch."""
+        assert request.status is RequestStatus.RESERVED, f"{request} is not reserved"
+        request.num_computed_tokens = request.num_prompt_tokens
+        self.block_manager.commit(request)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    def hold(self, request: Request) -> None:
+        """Take a running request out of the batch; its blocks stay until `release`."""
+        assert request.status is RequestStatus.RUNNING, f"{request} is not running"
+        self.running.remove(request)
+        request.status = RequestStatus.HELD
+
+    def release(self, request: Request) -> None:
+        """Free a held request's blocks and forget it."""
+        assert request.status is RequestStatus.HELD, f"{request} is not held"
+        self._retire(request, RequestStatus.FINISHED_STOPPED)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
@@ -138,10 +172,15 @@ class Scheduler:
             return None
         if request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
-        else:
+        elif request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         self._retire(request, RequestStatus.FINISHED_ABORTED)
         return request
+
+    def _register(self, request: Request) -> None:
+        assert request.request_id not in self.requests, f"duplicate request {request.request_id!r}"
+        assert request.status is RequestStatus.WAITING, f"{request} is not new"
+        self.requests[request.request_id] = request
 
     def _retire(self, request: Request, status: RequestStatus) -> None:
         self.block_manager.free(request)

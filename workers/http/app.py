@@ -1,7 +1,9 @@
 """The worker's HTTP app: the OpenAI API, health, readiness, metrics and drain.
 
 The app starts before the model has loaded (so /health answers at once) and
-serves requests once a backend is attached with `AppState.attach`.
+serves requests once the role is attached with `AppState.attach`: its
+`Health` (readiness, drain, load) and, if it takes client requests, its
+completion `Backend`.
 
 Drain (for scale-down): `POST /drain` makes the worker take no new work (new
 client requests and /ready answer 503; a decode answers AddNewRequests with
@@ -17,7 +19,7 @@ from collections.abc import Awaitable, Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from disagg.workers.http.backend import NO_CLIENT_API, Backend
+from disagg.workers.http.backend import NO_CLIENT_API, Backend, Health
 from disagg.workers.http.errors import APIError, NotReady, install_error_handlers
 from disagg.workers.http.fanout import ClientDisconnected
 from disagg.workers.http.prepare import prepare_chat, prepare_completion
@@ -30,39 +32,48 @@ _CLIENT_CLOSED = 499
 
 
 class AppState:
-    """What the routes serve from; the backend arrives once the model is loaded."""
+    """What the routes serve from; the role arrives once the model is loaded."""
 
     def __init__(self, metrics: WorkerMetrics) -> None:
         self.metrics = metrics
-        self.serving: OpenAIServing | None = None
+        self.health: Health | None = None
+        self.serving: OpenAIServing | None = None  # a role with a completion backend
         self.not_ready_reason = "the model is loading"
         self.draining = False  # asked before the model loaded, applied on attach
         self.insecure = False  # started with --insecure: said in /health
 
-    def attach(self, backend: Backend) -> None:
-        backend.set_draining(self.draining)
-        self.serving = OpenAIServing(backend, self.metrics)
+    def attach(self, health: Health, backend: Backend | None) -> None:
+        health.set_draining(self.draining)
+        self.health = health
+        self.serving = None if backend is None else OpenAIServing(backend, self.metrics)
 
     def set_draining(self, draining: bool) -> None:
         self.draining = draining
         self.metrics.draining.set(int(draining))
-        if self.serving is not None:
-            self.serving.backend.set_draining(draining)
+        if self.health is not None:
+            self.health.set_draining(draining)
 
     def drain_status(self) -> dict[str, bool | int]:
         in_flight = 0
-        if self.serving is not None:
-            stats = self.serving.backend.stats()
+        if self.health is not None:
+            stats = self.health.stats()
             in_flight = stats.requests_running + stats.requests_waiting
         return {"draining": self.draining, "in_flight": in_flight}
 
-    def require_serving(self) -> OpenAIServing:
-        """The OpenAI serving, if it can take requests now; else a 503."""
-        if self.serving is None:
+    def require_ready(self) -> Health:
+        """The role, if it can take requests now; else a 503."""
+        if self.health is None:
             raise NotReady(self.not_ready_reason)
-        ready, reason = self.serving.backend.ready()
+        ready, reason = self.health.ready()
         if not ready:
             raise NotReady(reason)
+        return self.health
+
+    def require_serving(self) -> OpenAIServing:
+        """The OpenAI serving, if it can take requests now; else a 503 (a 404 for a role without one)."""
+        self.require_ready()
+        if self.serving is None:
+            raise APIError(NO_CLIENT_API, 404, "not_found_error")
         return self.serving
 
 
@@ -75,17 +86,17 @@ def build_app(state: AppState, client_api: bool = True) -> FastAPI:
     async def health() -> dict[str, str | bool]:
         # `loaded`: the model is loaded and the role's servers are up (a prefill
         # is ready only once linked too, so launchers wait on this to link).
-        return {"status": "ok", "loaded": state.serving is not None, "insecure": state.insecure}
+        return {"status": "ok", "loaded": state.health is not None, "insecure": state.insecure}
 
     @app.get("/ready")
     async def ready() -> dict[str, str]:
-        state.require_serving()
+        state.require_ready()
         return {"status": "ready"}
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        if state.serving is not None:
-            state.metrics.set_engine_stats(state.serving.backend.stats())
+        if state.health is not None:
+            state.metrics.set_engine_stats(state.health.stats())
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.post("/drain")
@@ -104,7 +115,7 @@ def build_app(state: AppState, client_api: bool = True) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        model = state.require_serving().backend.model
+        model = state.require_ready().model
         return ModelList(data=[ModelCard(id=model.name, root=model.source, max_model_len=model.max_model_len)])
 
     if not client_api:

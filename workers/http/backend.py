@@ -1,11 +1,13 @@
-"""What the HTTP layer needs from a worker role to answer requests.
+"""What the HTTP layer needs from a worker role.
 
-The mixed role answers with its local engine (`LocalEngineBackend`); the
-prefill role answers by prefilling here and decoding on a linked decode
-(`disagg.workers.pd.prefill.PrefillRole`).
-Both sit behind `Backend`, so the OpenAI API code does not know the role.
-`EngineBackend` holds what every role's backend shares: the served model,
-readiness from the engine's state and draining, and the engine's load.
+Every role gives `Health` (the served model, readiness, drain, load); a role
+that serves client completions also gives a `Backend`. The mixed role
+answers with its local engine (`LocalEngineBackend`); the prefill role
+answers by prefilling here and decoding on a linked decode
+(`disagg.workers.pd.prefill.PrefillRole`); a decode has no `Backend`.
+`EngineHealth` holds what every role shares: readiness from the engine's
+state and draining, and the engine's load. `load_engine` loads a model into
+an engine, the one start-up path of every role.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ if TYPE_CHECKING:
     from disagg.workers.engine.tokenizer import Tokenizer
 
 
-# The answer (404) of a decode to client completions.
+# The answer (404) of a worker without a completion Backend (a decode).
 NO_CLIENT_API = "this worker is a decode instance and takes no client requests; send them to a prefill"
 # The not-ready reason of a draining worker (POST /drain).
 DRAINING = "the worker is draining: it finishes its requests in flight and takes no new ones"
@@ -39,23 +41,12 @@ class ModelInfo:
     vocab_size: int  # token ids in a prompt must be below this
 
 
-class Backend(Protocol):
-    """Generates the output of one sequence; owned by the server, shared by
-    every HTTP request.
-
-    Invariant: a request id is live from the first `generate` step until its
-    iterator has yielded a finished output or `abort` was called for it;
-    after either, the backend holds no resources (KV blocks) for it.
-    """
+class Health(Protocol):
+    """Readiness, drain and load of a worker's role, for /ready, /drain and /metrics."""
 
     @property
     def model(self) -> ModelInfo:
         """The served model."""
-        ...
-
-    @property
-    def tokenizer(self) -> Tokenizer:
-        """The served model's tokenizer."""
         ...
 
     def ready(self) -> tuple[bool, str]:
@@ -71,7 +62,26 @@ class Backend(Protocol):
         ...
 
     def stats(self) -> EngineStats:
-        """The load of the engine this backend drives."""
+        """The load of the engine this role drives."""
+        ...
+
+    def close(self) -> None:
+        """Stop the role's background work and engine (at shutdown); fails open streams."""
+        ...
+
+
+class Backend(Health, Protocol):
+    """Generates the output of one sequence; owned by the server, shared by
+    every HTTP request.
+
+    Invariant: a request id is live from the first `generate` step until its
+    iterator has yielded a finished output or `abort` was called for it;
+    after either, the backend holds no resources (KV blocks) for it.
+    """
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The served model's tokenizer."""
         ...
 
     def generate(
@@ -93,18 +103,40 @@ class Backend(Protocol):
         """Stop a live request and free its resources; no-op for an unknown id."""
         ...
 
-    def close(self) -> None:
-        """Stop the backend's background work (at shutdown); fails open streams."""
-        ...
-
 
 E = TypeVar("E", bound="AsyncEngine")
 
 
-class EngineBackend(Generic[E]):
-    """The `Backend` plumbing of a role that serves from one engine: the served
-    model and tokenizer, `ready`, `set_draining`, `stats` and `close`.
-    Roles extend `ready` and `stats` with what they add (links, reservations)."""
+@dataclass(frozen=True)
+class LoadedEngine:
+    """A model loaded into an engine that has not started yet."""
+
+    engine: AsyncEngine[LLMEngine]
+    model: ModelInfo
+    tokenizer: Tokenizer
+
+
+def load_engine(config: EngineConfig, served_model_name: str | None) -> LoadedEngine:
+    """Load the model and its tokenizer (blocking, for seconds to minutes) into an
+    engine; the caller starts it once it has installed what it needs (a layer hook)."""
+    from disagg.workers.engine.async_engine import AsyncEngine
+    from disagg.workers.engine.llm_engine import LLMEngine
+
+    llm = LLMEngine.from_config(config)
+    assert llm.tokenizer is not None, "LLMEngine.from_config loads the model's tokenizer"
+    model = ModelInfo(
+        name=served_model_name or config.model,
+        source=config.model,
+        max_model_len=llm.max_model_len,
+        vocab_size=llm.model_config.vocab_size,
+    )
+    return LoadedEngine(AsyncEngine(llm), model, llm.tokenizer)
+
+
+class EngineHealth(Generic[E]):
+    """The `Health` of a role that serves from one engine: the served model and
+    tokenizer, `ready`, `set_draining`, `stats` and `close`. Roles extend
+    `ready` and `stats` with what they add (links, reservations)."""
 
     def __init__(self, engine: E, tokenizer: Tokenizer, model: ModelInfo) -> None:
         self._engine = engine
@@ -137,26 +169,15 @@ class EngineBackend(Generic[E]):
         self._engine.shutdown()
 
 
-class LocalEngineBackend(EngineBackend["AsyncEngine[LLMEngine]"]):
+class LocalEngineBackend(EngineHealth["AsyncEngine[LLMEngine]"]):
     """The mixed role: every request runs on this process's engine."""
 
     @classmethod
     def from_config(cls, config: EngineConfig, served_model_name: str | None) -> LocalEngineBackend:
         """Load the model (blocking, for seconds to minutes) and start the engine thread."""
-        from disagg.workers.engine.async_engine import AsyncEngine
-        from disagg.workers.engine.llm_engine import LLMEngine
-
-        llm = LLMEngine.from_config(config)
-        assert llm.tokenizer is not None, "LLMEngine.from_config loads the model's tokenizer"
-        model = ModelInfo(
-            name=served_model_name or config.model,
-            source=config.model,
-            max_model_len=llm.max_model_len,
-            vocab_size=llm.model_config.vocab_size,
-        )
-        engine = AsyncEngine(llm)
-        engine.start()
-        return cls(engine, llm.tokenizer, model)
+        loaded = load_engine(config, served_model_name)
+        loaded.engine.start()
+        return cls(loaded.engine, loaded.tokenizer, loaded.model)
 
     def generate(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams

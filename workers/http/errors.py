@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from disagg.workers.http.protocol import ErrorInfo, ErrorResponse
+from disagg.workers.pd import errors as pd_errors
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,21 @@ class ModelNotFound(APIError):
 class NotReady(APIError):
     def __init__(self, reason: str) -> None:
         super().__init__(f"The server is not ready: {reason}", 503, "service_unavailable")
+
+
+# Each way a prefill fails a client's request answers with exactly one status and type.
+ROLE_ERRORS: dict[type[pd_errors.RequestFailed], tuple[int, str]] = {
+    pd_errors.NoDecodeAvailable: (503, "service_unavailable"),
+    pd_errors.PromptNeverFits: (413, "invalid_request_error"),
+    pd_errors.DecodeFailed: (502, "server_error"),
+    pd_errors.RequestRefused: (500, "server_error"),
+}
+
+
+def role_api_error(exc: pd_errors.RequestFailed) -> APIError:
+    """The HTTP answer to a role's failure."""
+    status, kind = next(ROLE_ERRORS[cls] for cls in type(exc).__mro__ if cls in ROLE_ERRORS)
+    return APIError(str(exc), status, kind)
 
 
 def error_response(message: str, status: int, type: str, param: str | None = None) -> JSONResponse:

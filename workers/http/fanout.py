@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import aclosing
 
 from disagg.workers.engine.outputs import RequestOutput
 from disagg.workers.engine.sampling_params import SamplingParams
 from disagg.workers.http.backend import Backend
+from disagg.workers.streams import merge_streams
 
 
 class ClientDisconnected(Exception):
@@ -48,51 +50,38 @@ async def stream_choices(
     """
     n = params.n
     ids = [choice_request_id(request_id, i) for i in range(n)]
-    # (index, output) per delta; (index, None) when a choice's stream ends;
-    # (-1, exc) when a pump or the disconnect watcher fails the whole stream.
-    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
-    async def pump(i: int) -> None:
-        try:
-            async for out in backend.generate(ids[i], prompt_token_ids, choice_params(params, i)):
-                queue.put_nowait((i, out))
-        except Exception as exc:  # handed to the consumer, which re-raises it
-            queue.put_nowait((-1, exc))
-        finally:
-            queue.put_nowait((i, None))
+    async def choice(i: int) -> AsyncIterator[RequestOutput]:
+        finished = False
+        async for out in backend.generate(ids[i], prompt_token_ids, choice_params(params, i)):
+            finished = out.finished
+            yield out
+        if not finished:
+            raise RuntimeError(f"request {ids[i]} ended without a finished output")
 
-    async def watch() -> None:
+    async def disconnected() -> AsyncIterator[RequestOutput]:
         assert wait_disconnect is not None
         await wait_disconnect()
-        queue.put_nowait((-1, ClientDisconnected()))
+        raise ClientDisconnected()
+        yield  # an async generator that only raises
 
-    tasks = [asyncio.create_task(pump(i)) for i in range(n)]
-    if wait_disconnect is not None:
-        tasks.append(asyncio.create_task(watch()))
+    sources = [choice(i) for i in range(n)] + ([disconnected()] if wait_disconnect is not None else [])
     finished: set[int] = set()
-    ended = 0
     try:
-        while ended < n:
-            i, item = await queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            if item is None:
-                ended += 1
-                if i not in finished:
-                    raise RuntimeError(f"request {ids[i]} ended without a finished output")
-                continue
-            if item.finished:
-                finished.add(i)
-            yield i, item
+        async with aclosing(merge_streams(sources)) as merged:
+            async for batch in merged:
+                for i, out in batch:
+                    if out.finished:
+                        finished.add(i)
+                    yield i, out
+                if len(finished) == n:
+                    break  # the disconnect watcher never ends by itself
     finally:
-        for task in tasks:
-            task.cancel()
         # NOTE: aborts must run even when this generator is being cancelled,
         # so they are shielded from a second cancellation.
-        await asyncio.shield(_abort_all(backend, [ids[i] for i in range(n) if i not in finished], tasks))
+        await asyncio.shield(_abort_all(backend, [ids[i] for i in range(n) if i not in finished]))
 
 
-async def _abort_all(backend: Backend, request_ids: list[str], tasks: list[asyncio.Task[None]]) -> None:
-    await asyncio.gather(*tasks, return_exceptions=True)
+async def _abort_all(backend: Backend, request_ids: list[str]) -> None:
     for rid in request_ids:
         await backend.abort(rid)

@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
-from disagg.workers.engine.outputs import RequestOutput, TokenLogprob
+from disagg.workers.engine.outputs import FinishReason, RequestOutput, TokenLogprob
 from disagg.workers.engine.tokenizer import Tokenizer
 from disagg.workers.http.backend import Backend
-from disagg.workers.http.errors import APIError, BadRequest
+from disagg.workers.http.errors import APIError, BadRequest, role_api_error
+from disagg.workers.pd.errors import RequestFailed
 from disagg.workers.http.fanout import ClientDisconnected, stream_choices
 from disagg.workers.http.prepare import Prepared
 from disagg.workers.http.protocol import (
@@ -49,7 +50,7 @@ class Choice:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_output_tokens: int = 0
     first_token_at: float | None = None
@@ -120,7 +121,7 @@ class OpenAIServing:
                 async for i, out in stream:
                     choices[i].add(out, time.monotonic())
                     yield choices[i], out
-            aborted = any(c.finish_reason == "abort" for c in choices)
+            aborted = any(c.finish_reason is FinishReason.ABORT for c in choices)
             status = RequestOutcome.ABORTED if aborted else RequestOutcome.OK
         except (ClientDisconnected, GeneratorExit, asyncio.CancelledError):
             status = RequestOutcome.ABORTED
@@ -128,6 +129,8 @@ class OpenAIServing:
         except ValueError as exc:  # the backend refused the request: the client's mistake
             status = RequestOutcome.REJECTED
             raise BadRequest(str(exc)) from exc
+        except RequestFailed as exc:  # a role's failure, at its HTTP status
+            raise role_api_error(exc) from exc
         finally:
             self._record(call, choices, status)
 

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 
 from disagg.proto import disagg_pd_pb2 as pb
 from disagg.proto.vocabulary import cluster_id, rank0_transfer_address
-from disagg.workers.engine.outputs import RequestOutput, TokenLogprob
+from disagg.workers.engine.outputs import FinishReason, RequestOutput, TokenLogprob
 from disagg.workers.engine.sampling_params import SamplingParams
 from disagg.workers.pd.messages import Admission, FirstToken, NewRequest, Reservation, TransferMode
 
@@ -161,7 +161,7 @@ def first_token_from_proto(msg: pb.DisaggGenerationsRequest) -> FirstToken:
 
 def output_to_proto(out: RequestOutput) -> pb.DisaggStreamGeneration:
     seq = pb.SequenceOutput(index=0, text=out.new_text, token_ids=out.new_token_ids,
-                            finish_reason=out.finish_reason or "")  # fmt: skip
+                            finish_reason=out.finish_reason.value if out.finish_reason else "")  # fmt: skip
     for lp in out.new_logprobs or ():
         seq.logprobs.append(pb.LogProb(
             log_prob_data=pb.LogProbData(token_id=lp.token_id, logprob=lp.logprob),
@@ -177,17 +177,22 @@ def output_to_proto(out: RequestOutput) -> pb.DisaggStreamGeneration:
 
 
 def output_from_proto(gen: pb.DisaggStreamGeneration) -> RequestOutput:
+    """ValueError for an unknown finish reason."""
     token_ids: list[int] = []
     logprobs: list[TokenLogprob] = []
-    finish_reason = None
+    finish_reason: FinishReason | None = None
     for seq in gen.outputs:
         token_ids.extend(seq.token_ids)
         for lp in seq.logprobs:
             top = tuple((d.token_id, d.logprob) for d in lp.top_logprobs)
             logprobs.append(TokenLogprob(lp.log_prob_data.token_id, lp.log_prob_data.logprob, top))
-        finish_reason = seq.finish_reason or finish_reason
+        if seq.finish_reason:
+            try:
+                finish_reason = FinishReason(seq.finish_reason)
+            except ValueError:
+                raise ValueError(f"request {gen.req_id}: unknown finish_reason {seq.finish_reason!r}") from None
     if gen.gen_status.status_code not in (0, 200):
-        finish_reason = "abort"
+        finish_reason = FinishReason.ABORT
     return RequestOutput(
         request_id=gen.req_id, new_token_ids=token_ids, new_text="", finished=gen.finished,
         finish_reason=finish_reason if gen.finished else None, num_prompt_tokens=gen.usage.num_prompt_tokens,

@@ -18,30 +18,23 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from disagg.proto.vocabulary import InstanceInfo
-from disagg.workers.engine.async_engine import EngineStats
-from disagg.workers.engine.outputs import RequestOutput
-from disagg.workers.engine.sampling_params import SamplingParams
+from disagg.workers.engine.async_engine import AsyncEngine, EngineStats
+from disagg.workers.engine.llm_engine import LLMEngine, OutOfBlocks, PromptTooLarge
+from disagg.workers.engine.outputs import FinishReason, RequestOutput
 from disagg.workers.engine.tokenizer import Tokenizer
-from disagg.workers.http.backend import NO_CLIENT_API, EngineBackend, ModelInfo
-from disagg.workers.http.errors import APIError
+from disagg.workers.http.backend import EngineHealth, ModelInfo
 from disagg.workers.metrics import RequestOutcome, WorkerMetrics
 from disagg.workers.pd.clients import PeerClients
 from disagg.workers.pd.config import PDConfig
-from disagg.workers.pd.engine import OutOfBlocks, PDAsyncEngine, PromptTooLarge
-from disagg.workers.pd.errors import (
-    InvalidMessage,
-    LinkRefused,
-    PDError,
-    PeerTimeout,
-    PeerUnavailable,
-    UnknownRequest,
-    WrongRole,
-)
+from disagg.workers.pd.errors import InvalidMessage, LinkRefused, PDError, PeerTimeout, PeerUnavailable, UnknownRequest
 from disagg.workers.pd.links import PeerTable
 from disagg.workers.pd.messages import Admission, FirstToken, NewRequest, Reservation, TransferMode
+from disagg.workers.pd.service import Handlers
+from disagg.workers.streams import merge_streams
 from disagg.workers.transfer import Access, KVTransport, LinkRefusedError, TransferError, TransferTimeout
 
 log = logging.getLogger(__name__)
@@ -73,14 +66,15 @@ def merge_outputs(outputs: Sequence[RequestOutput]) -> RequestOutput:
     )  # fmt: skip
 
 
-class DecodeRole(EngineBackend[PDAsyncEngine]):
-    """The decode's half of PD; its HTTP backend refuses client completions.
+class DecodeRole(EngineHealth["AsyncEngine[LLMEngine]"]):
+    """The decode's half of PD: its gRPC handlers, and the worker's health (no
+    completion Backend: a decode takes no client requests).
 
     Ready while its engine runs and it is not draining: the data path listens
-    from before the role is built (`build_worker`) until close.
+    from before the role is built (`worker.build_decode`) until close.
     """
 
-    def __init__(self, engine: PDAsyncEngine, tokenizer: Tokenizer, model: ModelInfo, transport: KVTransport,
+    def __init__(self, engine: AsyncEngine[LLMEngine], tokenizer: Tokenizer, model: ModelInfo, transport: KVTransport,
                  clients: PeerClients, metrics: WorkerMetrics, config: PDConfig) -> None:  # fmt: skip
         super().__init__(engine, tokenizer, model)
         self._transport = transport
@@ -90,7 +84,9 @@ class DecodeRole(EngineBackend[PDAsyncEngine]):
         self.peers = PeerTable(metrics, self._on_prefill_lost)
         self._incoming: dict[str, _Incoming] = {}
         self._sweeper: asyncio.Task[None] | None = None
-        self._block_bytes = engine.engine.kv_cache.spec.block_bytes
+
+    def handlers(self) -> Handlers:
+        return Handlers("decode", unlink=self.unlink, link=self.link, intake=self)
 
     # --- lifecycle --------------------------------------------------------
 
@@ -106,7 +102,7 @@ class DecodeRole(EngineBackend[PDAsyncEngine]):
         await self._clients.close()
 
     def close(self) -> None:
-        """Backend.close: stop the engine and the transfer listener."""
+        """Stop the engine and the transfer listener."""
         super().close()
         self._transport.close()
 
@@ -150,7 +146,7 @@ class DecodeRole(EngineBackend[PDAsyncEngine]):
             # 404, as when out of blocks: the prefill tries another decode.
             return Reservation(req.req_id, Admission.NO_BLOCKS, [])
         try:
-            blocks = await self._engine.call(lambda e: e.reserve(req.req_id, req.prompt_token_ids, req.params))
+            blocks = await self._engine.call(lambda e: e.reserve_request(req.req_id, req.prompt_token_ids, req.params))
         except PromptTooLarge:
             return Reservation(req.req_id, Admission.TOO_LARGE, [])
         except OutOfBlocks:
@@ -176,8 +172,8 @@ class DecodeRole(EngineBackend[PDAsyncEngine]):
             if first.mode is TransferMode.PULL:
                 await self._pull(inc, first)
             else:
-                nbytes = len(inc.block_ids) * self._block_bytes
-                self._metrics.kv_transfer_bytes.labels(direction="received", peer=inc.prefill).inc(nbytes)
+                nbytes = len(inc.block_ids) * self._engine.block_bytes
+                self._metrics.observe_kv_transfer("received", inc.prefill, nbytes)  # the prefill times it
             inc.task = asyncio.create_task(self._stream(inc, first), name=f"decode-{first.req_id}")
         except PDError as exc:
             await self._drop(first.req_id, str(exc))
@@ -189,9 +185,6 @@ class DecodeRole(EngineBackend[PDAsyncEngine]):
         if inc is not None and not inc.started:
             await self._drop(req_id, reason)
         raise InvalidMessage(reason)
-
-    async def generations(self, outputs: list[RequestOutput]) -> list[bool]:
-        raise WrongRole("this is a decode instance; Generations goes to the prefill that owns the request")
 
     async def _pull(self, inc: _Incoming, first: FirstToken) -> None:
         session = self.peers.get(inc.prefill)
@@ -214,46 +207,41 @@ class DecodeRole(EngineBackend[PDAsyncEngine]):
         self._metrics.observe_kv_transfer("received", inc.prefill, handle.nbytes, time.monotonic() - started)
 
     async def _stream(self, inc: _Incoming, first: FirstToken) -> None:
-        """Generate and stream to the prefill until finished, refused or failed."""
+        """Generate and stream to the prefill until finished, refused or failed;
+        what the engine made while a Generations call was out goes in the next one."""
         req_id = inc.req.req_id
-        pending: asyncio.Queue[RequestOutput | None] = asyncio.Queue()
-
-        async def pump() -> None:
-            try:
-                async for out in self._engine.admit(req_id, inc.req.prompt_token_ids, inc.req.params,
-                                                    first.token_id, first.logprob):
-                    pending.put_nowait(out)
-            except Exception as exc:  # the engine failed it: tell the prefill, which fails its client
-                log.warning("request %s failed in the engine: %s", req_id, exc)
-                pending.put_nowait(RequestOutput(req_id, [], "", True, "abort", len(inc.req.prompt_token_ids), 0))
-            finally:
-                pending.put_nowait(None)
-
-        pumping = asyncio.create_task(pump())
         status = RequestOutcome.ERROR
         try:
-            while True:
-                batch = [await pending.get()]
-                while not pending.empty():
-                    batch.append(pending.get_nowait())
-                outputs = [o for o in batch if o is not None]
-                if outputs:
-                    out = merge_outputs(outputs)
+            # Closing the merge closes the engine stream: an unfinished request is aborted and freed.
+            async with aclosing(merge_streams([self._outputs(inc, first)])) as batches:
+                async for batch in batches:
+                    out = merge_outputs([o for _, o in batch])
                     [tracked] = await self._clients.generations(inc.req.source_addr, [out])
                     if not tracked:
                         status = RequestOutcome.ABORTED
                         break
                     if out.finished:
-                        status = RequestOutcome.ABORTED if out.finish_reason == "abort" else RequestOutcome.OK
+                        status = RequestOutcome.ABORTED if out.finish_reason is FinishReason.ABORT else RequestOutcome.OK
                         break
-                if None in batch:
-                    break
         except PDError as exc:
             log.warning("streaming %s to %s failed: %s", req_id, inc.req.source_addr, exc)
         finally:
-            pumping.cancel()  # closes the engine stream: an unfinished request is aborted and freed
             self._incoming.pop(req_id, None)
             self._metrics.count_request(status)
+
+    async def _outputs(self, inc: _Incoming, first: FirstToken) -> AsyncIterator[RequestOutput]:
+        """The engine's outputs after the first token; an engine failure ends them
+        with an "abort" output (the prefill then fails its client)."""
+        try:
+            async for out in self._engine.admit(inc.req.req_id, first.token_id):
+                yield out
+        except Exception as exc:
+            log.warning("request %s failed in the engine: %s", inc.req.req_id, exc)
+            yield RequestOutput(
+                request_id=inc.req.req_id, new_token_ids=[], new_text="", finished=True,
+                finish_reason=FinishReason.ABORT, num_prompt_tokens=len(inc.req.prompt_token_ids),
+                num_output_tokens=0,
+            )  # fmt: skip
 
     async def _drop(self, req_id: str, reason: str) -> None:
         inc = self._incoming.pop(req_id, None)
@@ -273,17 +261,10 @@ class DecodeRole(EngineBackend[PDAsyncEngine]):
             for req_id in [r for r, inc in self._incoming.items() if not inc.started and inc.reserved_at < limit]:
                 await self._drop(req_id, f"no FirstGeneration within {self._config.reservation_ttl_s:.0f} s")
 
-    # --- the HTTP backend: a decode takes no client requests ------------------------
+    # --- health -----------------------------------------------------------------
 
     def stats(self) -> EngineStats:
         """The engine's load; a reservation still waiting for its KV counts as waiting."""
         s = super().stats()
         reserved = sum(1 for inc in self._incoming.values() if inc.task is None)
         return dataclasses.replace(s, requests_waiting=s.requests_waiting + reserved)
-
-    def generate(self, request_id: str, prompt_token_ids: Sequence[int],
-                 params: SamplingParams) -> AsyncIterator[RequestOutput]:  # fmt: skip
-        raise APIError(NO_CLIENT_API, 404, "not_found_error")
-
-    async def abort(self, request_id: str) -> None:
-        return None

@@ -3,14 +3,18 @@
 of the link calls.
 
 Protobuf is converted to the roles' types here; each role error maps to one
-status code. MultiGenerations and SendPullSignal (xLLM's online/offline
-co-location) answer UNIMPLEMENTED and the server keeps serving.
+status code. A role registers only the handlers it has (`Handlers`); a
+DisaggPDService method it lacks answers FAILED_PRECONDITION, and
+XllmRpcService is served only by a role that takes Generations.
+MultiGenerations and SendPullSignal (xLLM's online/offline co-location)
+answer UNIMPLEMENTED and the server keeps serving.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 import grpc
@@ -50,21 +54,45 @@ HTTP_STATUS: dict[grpc.StatusCode, int] = {
 }
 
 
-class PDRole(Protocol):
-    """What the service needs of a role; both roles have every method, and
-    the ones of the other role raise WrongRole."""
+class Intake(Protocol):
+    """A decode's handlers of a prefill's requests."""
 
-    async def link(self, info: InstanceInfo) -> None: ...
+    async def add_requests(self, prefill_name: str, reqs: list[NewRequest]) -> list[Reservation]:
+        """Reserve blocks for each request; one answer per request, in order."""
+        ...
 
-    async def unlink(self, info: InstanceInfo) -> None: ...
+    async def first_generation(self, first: FirstToken) -> None:
+        """Take in the KV (PULL) and start generating after the first token."""
+        ...
 
-    async def add_requests(self, prefill_name: str, reqs: list[NewRequest]) -> list[Reservation]: ...
+    async def refuse_first(self, req_id: str, reason: str) -> None:
+        """A malformed FirstGeneration: free the request it names, then raise InvalidMessage."""
+        ...
 
-    async def first_generation(self, first: FirstToken) -> None: ...
 
-    async def refuse_first(self, req_id: str, reason: str) -> None: ...
+LinkHandler = Callable[[InstanceInfo], Awaitable[None]]
 
-    async def generations(self, outputs: list[RequestOutput]) -> list[bool]: ...
+
+@dataclass(frozen=True)
+class Handlers:
+    """What one role serves over gRPC; None for what it lacks."""
+
+    role: str  # named in the refusal of a method the role lacks
+    unlink: LinkHandler
+    link: LinkHandler | None = None  # links are made on the decode
+    intake: Intake | None = None  # AddNewRequests and FirstGeneration (a decode)
+    generations: Callable[[list[RequestOutput]], Awaitable[list[bool]]] | None = None  # a prefill
+
+    def require_link(self) -> LinkHandler:
+        if self.link is None:
+            raise errors.WrongRole(f"this is a {self.role} instance; links are made on the decode: "
+                                   "call LinkInstance on it with this instance's info")  # fmt: skip
+        return self.link
+
+    def require_intake(self, method: str) -> Intake:
+        if self.intake is None:
+            raise errors.WrongRole(f"this is a {self.role} instance; {method} goes to a decode")
+        return self.intake
 
 
 def status_code(exc: errors.PDError) -> grpc.StatusCode:
@@ -84,10 +112,11 @@ async def _answer(context: grpc.aio.ServicerContext, call: Callable[[], Awaitabl
 
 
 class DisaggPDServicer(disagg_pd_pb2_grpc.DisaggPDServiceServicer):
-    def __init__(self, role: PDRole) -> None:
-        self._role = role
+    def __init__(self, handlers: Handlers) -> None:
+        self._handlers = handlers
 
     async def AddNewRequests(self, request: pb.DisaggRequests, context: grpc.aio.ServicerContext) -> pb.DisaggResponses:
+        intake = await _answer(context, self._require_intake("AddNewRequests"))
         reqs: list[NewRequest] = []
         answers: dict[int, Reservation] = {}
         for i, msg in enumerate(request.reqs):
@@ -102,21 +131,22 @@ class DisaggPDServicer(disagg_pd_pb2_grpc.DisaggPDServiceServicer):
             reqs = convert.with_sampling_extras(reqs, context.invocation_metadata() or ())
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        reserved = iter(await _answer(context, lambda: self._role.add_requests(request.prefill_name, reqs)))
+        reserved = iter(await _answer(context, lambda: intake.add_requests(request.prefill_name, reqs)))
         ordered = [answers[i] if i in answers else next(reserved) for i in range(len(request.reqs))]
         return pb.DisaggResponses(resps=[convert.reservation_to_proto(r) for r in ordered])
 
     async def FirstGeneration(self, request: pb.DisaggGenerationsRequests,
                               context: grpc.aio.ServicerContext) -> common_pb2.Status:  # fmt: skip
+        intake = await _answer(context, self._require_intake("FirstGeneration"))
         if not request.multi_gens:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "multi_gens is empty")
         for msg in request.multi_gens:
             try:
                 first = convert.first_token_from_proto(msg)
             except ValueError as exc:
-                await _answer(context, lambda: self._role.refuse_first(msg.req_id, str(exc)))
+                await _answer(context, lambda: intake.refuse_first(msg.req_id, str(exc)))
                 continue
-            await _answer(context, lambda: self._role.first_generation(first))
+            await _answer(context, lambda: intake.first_generation(first))
         return common_pb2.Status(ok=True)
 
     async def MultiGenerations(self, request: pb.DisaggGenerationsRequests,
@@ -132,26 +162,44 @@ class DisaggPDServicer(disagg_pd_pb2_grpc.DisaggPDServiceServicer):
 
     async def LinkInstance(self, request: pb.InstanceClusterInfo, context: grpc.aio.ServicerContext) -> common_pb2.Status:
         info = await _answer(context, lambda: _parse_info(request))
-        await _answer(context, lambda: self._role.link(info))
+        await _answer(context, lambda: _link(self._handlers, info, True))
         return common_pb2.Status(ok=True)
 
     async def UnlinkInstance(self, request: pb.InstanceClusterInfo,
                              context: grpc.aio.ServicerContext) -> common_pb2.Status:  # fmt: skip
         info = await _answer(context, lambda: _parse_info(request))
-        await _answer(context, lambda: self._role.unlink(info))
+        await _answer(context, lambda: _link(self._handlers, info, False))
         return common_pb2.Status(ok=True)
+
+
+    def _require_intake(self, method: str) -> Callable[[], Awaitable[Intake]]:
+        async def intake() -> Intake:
+            return self._handlers.require_intake(method)
+
+        return intake
 
 
 class XllmRpcServicer(xllm_service_pb2_grpc.XllmRpcServiceServicer):
     """Where a decode streams the tokens of the requests this prefill owns."""
 
-    def __init__(self, role: PDRole) -> None:
-        self._role = role
+    def __init__(self, generations: Callable[[list[RequestOutput]], Awaitable[list[bool]]]) -> None:
+        self._generations = generations
 
     async def Generations(self, request: pb.DisaggStreamGenerations, context: grpc.aio.ServicerContext) -> pb.StatusSet:
-        outputs = [convert.output_from_proto(gen) for gen in request.gens]
-        tracked = await _answer(context, lambda: self._role.generations(outputs))
+        outputs = await _answer(context, lambda: _parse_outputs(request))
+        tracked = await _answer(context, lambda: self._generations(outputs))
         return pb.StatusSet(all_status=[common_pb2.Status(ok=ok) for ok in tracked])
+
+
+async def _link(handlers: Handlers, info: InstanceInfo, link: bool) -> None:
+    await (handlers.require_link()(info) if link else handlers.unlink(info))
+
+
+async def _parse_outputs(msg: pb.DisaggStreamGenerations) -> list[RequestOutput]:
+    try:
+        return [convert.output_from_proto(gen) for gen in msg.gens]
+    except ValueError as exc:
+        raise errors.InvalidMessage(str(exc)) from exc
 
 
 async def _parse_info(msg: pb.InstanceClusterInfo) -> InstanceInfo:
@@ -161,21 +209,21 @@ async def _parse_info(msg: pb.InstanceClusterInfo) -> InstanceInfo:
         raise errors.InvalidMessage(f"bad InstanceClusterInfo: {exc}") from exc
 
 
-def build_grpc_server(role: PDRole, address: str, max_message_bytes: int, serves_generations: bool,
+def build_grpc_server(handlers: Handlers, address: str, max_message_bytes: int,
                       guard: ControlGuard) -> grpc.aio.Server:  # fmt: skip
-    """An asyncio gRPC server of the role on `address` (not started); `guard` checks every call first."""
+    """An asyncio gRPC server of a role's handlers on `address` (not started); `guard` checks every call first."""
     server = grpc.aio.server(interceptors=[AuthInterceptor(guard)], options=[
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
     ])  # fmt: skip
-    disagg_pd_pb2_grpc.add_DisaggPDServiceServicer_to_server(DisaggPDServicer(role), server)
-    if serves_generations:
-        xllm_service_pb2_grpc.add_XllmRpcServiceServicer_to_server(XllmRpcServicer(role), server)
+    disagg_pd_pb2_grpc.add_DisaggPDServiceServicer_to_server(DisaggPDServicer(handlers), server)
+    if handlers.generations is not None:
+        xllm_service_pb2_grpc.add_XllmRpcServiceServicer_to_server(XllmRpcServicer(handlers.generations), server)
     server.add_insecure_port(address)
     return server
 
 
-def add_link_routes(app: FastAPI, role: Callable[[], PDRole | None], guard: ControlGuard) -> None:
+def add_link_routes(app: FastAPI, role: Callable[[], Handlers | None], guard: ControlGuard) -> None:
     """xLLM's HTTP form: `POST /xllm.proto.DisaggPDService/{LinkInstance,UnlinkInstance}`
     with a JSON InstanceClusterInfo; answers a JSON Status (`{"ok": true}`), or
     `{"ok": false, "error": {...}}` with an HTTP error status and the reason.
@@ -196,7 +244,7 @@ def add_link_routes(app: FastAPI, role: Callable[[], PDRole | None], guard: Cont
         except (json_format.ParseError, ValueError) as exc:
             return _http_error(grpc.StatusCode.INVALID_ARGUMENT, f"bad InstanceClusterInfo: {exc}")
         try:
-            await (current.link(info) if link else current.unlink(info))
+            await _link(current, info, link)
         except errors.PDError as exc:
             return _http_error(status_code(exc), str(exc))
         return JSONResponse({"ok": True})

@@ -1,0 +1,104 @@
+"""PUSH mode: each layer's KV of a prompt goes to the decode's reserved blocks
+as soon as the prefill's forward has written it.
+
+Threads: `add`, `wait` and `cancel` run on the event loop; `layer_hook` and
+the callback it returns run on the engine thread, which only appends to a
+target's handles or sets its error. A target is added before its request
+reaches the engine and removed only after the request left the batch (`wait`
+after the hand-off; `cancel` after an engine barrier), so the engine thread
+never sees a target vanish mid-step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from disagg.workers.engine.scheduler import SchedulerOutput
+from disagg.workers.metrics import WorkerMetrics
+from disagg.workers.pd.errors import DecodeFailed
+from disagg.workers.transfer import TransferError, TransferHandle, TransferSession
+
+
+@dataclass
+class _Target:
+    """Where one request's KV goes; written on the engine thread."""
+
+    decode: str
+    session: TransferSession
+    dst_blocks: list[int]
+    started: float = field(default_factory=time.monotonic)
+    handles: list[TransferHandle] = field(default_factory=list)
+    error: str | None = None
+
+
+class KVPusher:
+    def __init__(self, metrics: WorkerMetrics, transfer_timeout_s: float) -> None:
+        self._metrics = metrics
+        self._timeout_s = transfer_timeout_s
+        self._targets: dict[str, _Target] = {}  # read by the engine thread
+
+    def add(self, req_id: str, decode: str, session: TransferSession, dst_blocks: list[int]) -> None:
+        """Push the prompt KV of `req_id` into `dst_blocks` of that decode as its forward runs."""
+        self._targets[req_id] = _Target(decode, session, dst_blocks)
+
+    async def wait(self, req_id: str) -> None:
+        """After the hand-off: wait until every pushed byte is stored and checked.
+        Raises DecodeFailed when a push failed."""
+        target = self._targets.pop(req_id)
+        if target.error is not None:
+            raise DecodeFailed(f"pushing the KV of {req_id} failed: {target.error}")
+        try:
+            await asyncio.to_thread(self._wait_all, target)
+        except TransferError as exc:
+            raise DecodeFailed(f"pushing the KV of {req_id} failed: {exc}") from exc
+        nbytes = sum(h.nbytes for h in target.handles)
+        self._metrics.observe_kv_transfer("sent", target.decode, nbytes, time.monotonic() - target.started)
+
+    def stop(self, req_id: str) -> Callable[[], None] | None:
+        """Push no further layer of `req_id`. Returns what waits for the pushes
+        already in flight (blocking: run it in a thread after an engine barrier,
+        so no push of the request starts after it), or None when it had no target."""
+        target = self._targets.pop(req_id, None)
+        if target is None:
+            return None
+        target.error = target.error or "cancelled"
+
+        def drain() -> None:
+            with contextlib.suppress(TransferError):
+                self._wait_all(target)
+
+        return drain
+
+    def layer_hook(self, scheduled: SchedulerOutput) -> Callable[[int], None] | None:
+        """On the engine thread, before a step: the per-layer callback that pushes the
+        prompt blocks of each request whose prompt completes in this step.
+
+        Earlier chunks of a long prompt and its prefix-cache hits are in the
+        same blocks, so pushing every prompt block in the final step sends each once.
+        """
+        pushes = []
+        for request, samples in zip(scheduled.requests, scheduled.sample_mask):
+            target = self._targets.get(request.request_id)
+            if target is not None and samples:
+                assert len(request.block_table) == len(target.dst_blocks), "prompt blocks on both sides"
+                pushes.append((target, list(request.block_table)))
+        if not pushes:
+            return None
+
+        def on_layer(layer: int) -> None:
+            for target, src in pushes:
+                if target.error is None:
+                    try:
+                        target.handles.append(target.session.push(layer, src, target.dst_blocks))
+                    except (TransferError, ValueError) as exc:  # fail this request, not the step
+                        target.error = str(exc)
+
+        return on_layer
+
+    def _wait_all(self, target: _Target) -> None:
+        for handle in target.handles:
+            handle.wait(self._timeout_s)

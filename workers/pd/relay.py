@@ -1,0 +1,93 @@
+"""The prefill's side of each client stream: tokens from the decode (Generations)
+become the client's text here.
+
+Each `Stream` follows its request with the engine's own request state and stop
+checker (`AsyncEngine.follow`), fed token by token, so text, stop strings and
+finish reasons are exactly the mixed role's; the decode only sends token ids.
+This is where re-issuing a stream to another decode will sit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from disagg.workers.engine.async_engine import AsyncEngine, outputs_until_finished
+from disagg.workers.engine.outputs import FinishReason, RequestOutput
+from disagg.workers.engine.request import Request
+from disagg.workers.engine.sampling_params import SamplingParams
+from disagg.workers.pd.errors import DecodeFailed
+
+
+@dataclass
+class Stream:
+    """One client request's outputs, in order, and the decode that generates them."""
+
+    request: Request  # followed: the engine never runs it
+    queue: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
+    decode: str | None = None
+    closed: bool = False  # the client side is done: later Generations are refused
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        if not self.closed:
+            self.queue.put_nowait(item)
+
+    def outputs(self) -> AsyncIterator[RequestOutput]:
+        return outputs_until_finished(self.queue)
+
+
+class TokenRelay:
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+        self._streams: dict[str, Stream] = {}
+
+    def __len__(self) -> int:
+        return len(self._streams)
+
+    def open(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Stream:
+        """Start relaying a new request; ValueError for a duplicate id or a request the engine refuses."""
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        stream = Stream(self._engine.new_request(request_id, prompt_token_ids, params))
+        self._streams[request_id] = stream
+        return stream
+
+    def close(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.closed = True
+
+    def first_token(self, stream: Stream, hand_off: RequestOutput) -> None:
+        """The token the prefill sampled, to the client."""
+        self._forward(stream, hand_off, None)
+
+    async def generations(self, outputs: list[RequestOutput]) -> list[bool]:
+        """A decode's deltas to their clients; False for requests no longer relayed."""
+        return [self._relay(out) for out in outputs]
+
+    def abort(self, request_id: str) -> None:
+        """End a live request's stream with an "abort" output."""
+        stream = self._streams.get(request_id)
+        if stream is not None and not stream.closed:
+            stream.put(self._engine.abort_followed(stream.request))
+
+    def fail_decode(self, decode: str, reason: str) -> None:
+        """A decode went away: fail the requests it was generating."""
+        for stream in [s for s in self._streams.values() if s.decode == decode]:
+            stream.put(DecodeFailed(f"the decode instance {decode} went away ({reason})"))
+
+    def _relay(self, out: RequestOutput) -> bool:
+        stream = self._streams.get(out.request_id)
+        if stream is None or stream.closed or stream.request.is_finished:
+            return False
+        if out.finished and out.finish_reason is FinishReason.ABORT:
+            stream.put(DecodeFailed(f"the decode instance {stream.decode} aborted request {out.request_id}"))
+            return False
+        delta = self._forward(stream, out, out.finish_reason if out.finished else None)
+        return not delta.finished
+
+    def _forward(self, stream: Stream, out: RequestOutput, finish: FinishReason | None) -> RequestOutput:
+        delta = self._engine.follow(stream.request, out.new_token_ids, out.new_logprobs, finish)
+        stream.put(delta)
+        return delta
