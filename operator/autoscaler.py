@@ -318,7 +318,7 @@ def decide(spec: AutoscalerSpec, band: RatioBand | None, inputs: Mapping[Role, R
             max_counts=Counts(spec.bounds["prefill"].max_replicas, spec.bounds["decode"].max_replicas),
             floor=Counts(floor["prefill"], floor["decode"]))
         band_reason = result.reason
-        for role, count in (("prefill", result.counts.prefill), ("decode", result.counts.decode)):
+        for role, count in zip(ROLES, (result.counts.prefill, result.counts.decode)):
             rd = decisions[role]
             if count != rd.desired:
                 decisions[role] = replace(rd, desired=count, outcome=_outcome(rd.current, count),

@@ -47,7 +47,7 @@ class SamplingMetadata:
         greedy = [p.is_greedy for p in params]
         all_greedy = all(greedy)
 
-        def column(values: list[float], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        def column(values: Sequence[float], dtype: torch.dtype = torch.float32) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=device)
 
         top_ks = [p.top_k if p.top_k > 0 else vocab_size for p in params]

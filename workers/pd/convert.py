@@ -147,11 +147,12 @@ def first_token_from_proto(msg: pb.DisaggGenerationsRequest) -> FirstToken:
     logprob = None
     if token.has_logprob:
         logprob = TokenLogprob(int(token.token_id), token.logprob, tuple(zip(map(int, token.top_tokens), token.top_logprobs)))
-    address: str | None = ""
+    address = ""  # PUSH: the decode reads nothing from the prefill
     if mode is TransferMode.PULL:
-        address = rank0_transfer_address(msg.addrs, msg.cluster_ids)
-        if address is None:
+        found = rank0_transfer_address(msg.addrs, msg.cluster_ids)
+        if found is None:
             raise ValueError(f"request {msg.req_id}: PULL needs the prefill's addrs or cluster_ids")
+        address = found
     return FirstToken(msg.req_id, int(token.token_id), logprob, mode, token.time_to_first_token_latency_seconds,
                       address, tuple(msg.block_ids))  # fmt: skip
 
