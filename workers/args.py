@@ -10,7 +10,7 @@ import dataclasses
 from typing import Any
 
 from disagg.proto.vocabulary import DEVICES, DTYPES, TRANSFER_MODES, TRANSPORTS
-from disagg.workers.config import Role, ServerConfig, TransferMode, Transport
+from disagg.workers.config import Role, ServerConfig, TransferMode, Transport, default_threads
 from disagg.workers.engine.config import EngineConfig
 
 
@@ -60,6 +60,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                      help="token budget of one engine step (default %(default)s)")
     eng.add_argument("--max-model-len", type=int, default=_default(e, "max_model_len"),
                      help="context length served (default: the model's)")
+    eng.add_argument("--threads", type=int, default=_default(s, "threads"),
+                     help="compute threads (default: $OMP_NUM_THREADS, else the CPUs this process may use, "
+                          "from its affinity and cgroup quota)")
     eng.add_argument("--seed", type=int, default=_default(e, "seed"),
                      help="seed of requests that give none (default %(default)s)")
 
@@ -88,5 +91,6 @@ def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]
         kv_transfer_mode=TransferMode(args.kv_transfer_mode),
         kv_transport=Transport(args.kv_transport),
         kv_connections=args.kv_connections,
+        threads=default_threads() if args.threads is None else args.threads,
     )
     return engine, server

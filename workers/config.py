@@ -24,7 +24,8 @@ from disagg.proto.vocabulary import (
     Transport,
 )
 
-__all__ = ["Role", "ServerConfig", "TransferMode", "Transport", "default_kv_connections", "usable_cpus"]
+__all__ = ["Role", "ServerConfig", "TransferMode", "Transport", "default_kv_connections", "default_threads",
+           "usable_cpus"]
 
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")  # cgroup v2: "<quota> <period>" or "max <period>"
 
@@ -52,6 +53,8 @@ class ServerConfig:
     # Seconds to let in-flight requests finish after SIGTERM before the
     # server closes their connections.
     graceful_shutdown_s: float = 30.0
+    # torch's intra-op threads. None: default_threads().
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("http_port", "grpc_port", "transfer_port"):
@@ -72,6 +75,12 @@ class ServerConfig:
             raise ValueError(f"graceful_shutdown_s must be >= 0, got {self.graceful_shutdown_s}")
         if self.kv_connections is not None and not 1 <= self.kv_connections <= MAX_KV_CONNECTIONS:
             raise ValueError(f"kv_connections must be between 1 and {MAX_KV_CONNECTIONS}, got {self.kv_connections}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be at least 1, got {self.threads}")
+
+    @property
+    def num_threads(self) -> int:
+        return default_threads() if self.threads is None else self.threads
 
     @property
     def instance_host(self) -> str:
@@ -113,3 +122,24 @@ def default_kv_connections(cpus: int | None = None) -> int:
     both ends busy, more only contend (docs/benchmarks-transfer.md).
     """
     return max(1, min(4, (usable_cpus() if cpus is None else cpus) // 2))
+
+
+def default_threads(workers: int = 1, cpus: int | None = None) -> int:
+    """Compute threads for each of `workers` processes sharing this machine's usable CPUs.
+
+    $OMP_NUM_THREADS, when set, wins (the OpenMP convention torch follows too).
+    Otherwise the usable CPUs split evenly, at least one each: more threads
+    than cores make the processes' thread pools preempt one another in the
+    middle of every matmul (docs/benchmarks.md).
+    """
+    if workers < 1:
+        raise ValueError(f"workers must be at least 1, got {workers}")
+    if cpus is None and (env := os.environ.get("OMP_NUM_THREADS")):
+        try:
+            threads = int(env)
+        except ValueError:
+            raise ValueError(f"OMP_NUM_THREADS must be a whole number, got {env!r}") from None
+        if threads < 1:
+            raise ValueError(f"OMP_NUM_THREADS must be at least 1, got {threads}")
+        return threads
+    return max(1, (usable_cpus() if cpus is None else cpus) // workers)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 
+from disagg.workers.config import default_threads
 from disagg.workers.local import WorkerFailed, WorkerProcess, link, spawn_worker
 
 DEFAULT_MODEL = "builtin:smollm2-135m"
@@ -71,12 +72,14 @@ def _mean(worker: WorkerProcess, histogram: str) -> float | None:
 @contextmanager
 def running_pair(model: str, log_dir: Path, extra: list[str], startup_timeout_s: float,
                  mode: str = "PUSH") -> Iterator[tuple[WorkerProcess, WorkerProcess]]:  # fmt: skip
-    """A prefill and a decode on loopback, loaded and linked; both stopped on the way out, whatever happens."""
+    """A prefill and a decode on loopback, loaded and linked, splitting the CPUs; both stopped on the way out,
+    whatever happens."""
     workers: list[WorkerProcess] = []
+    threads = default_threads(workers=2)
     try:
         for role in ("decode", "prefill"):
             workers.append(spawn_worker(role, model, log_dir / f"{role}.log",
-                                        ["--kv-transfer-mode", mode, *extra]))  # fmt: skip
+                                        ["--kv-transfer-mode", mode, *extra], threads=threads))  # fmt: skip
         decode, prefill = workers
         for w in workers:
             w.wait_loaded(startup_timeout_s)

@@ -110,12 +110,17 @@ class WorkerProcess:
 
 
 def spawn_worker(role: str, model: str, log_path: Path, extra: Sequence[str] = (), host: str = LOOPBACK,
-                 env: dict[str, str] | None = None) -> WorkerProcess:  # fmt: skip
-    """Start `disagg serve --role ROLE` on free ports of `host`; returns at once (see `wait_loaded`)."""
+                 env: dict[str, str] | None = None, threads: int | None = None) -> WorkerProcess:  # fmt: skip
+    """Start `disagg serve --role ROLE` on free ports of `host`; returns at once (see `wait_loaded`).
+
+    `threads`: its --threads; give workers that run at the same time their
+    share of the CPUs (`default_threads(workers=N)`). None: the worker's default.
+    """
     ports = [free_port(host) for _ in range(3)]
     cmd = [
         sys.executable, "-m", "disagg.workers", "serve", "--role", role, "--model", model, "--host", host,
-        "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--transfer-port", str(ports[2]), *extra,
+        "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--transfer-port", str(ports[2]),
+        *([] if threads is None else ["--threads", str(threads)]), *extra,
     ]  # fmt: skip
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("ab") as log:

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
+import torch
 import uvicorn
 from fastapi import FastAPI
 
@@ -104,6 +105,9 @@ class _UvicornServer(uvicorn.Server):
 def run(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     """Serve until SIGTERM/SIGINT; return the process exit code."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(server_config.num_threads)  # once, before the model loads
+    torch.set_num_interop_threads(1)
+    log.info("compute threads: %d (inter-op: %d)", torch.get_num_threads(), torch.get_num_interop_threads())
     return asyncio.run(serve(engine_config, server_config, WORKER_BUILDERS[server_config.role]))
 
 
