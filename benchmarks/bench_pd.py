@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import signal
 import statistics
 import sys
 import tempfile
@@ -231,6 +232,8 @@ def main() -> int:
                    help="prompt token ids are 100 + [0, this): keep it under the vocabulary (default %(default)s)")
     p.add_argument("--quick", action="store_true", help="one small case of each kind (a smoke run)")
     args = p.parse_args()
+    # A SIGTERM (`timeout`) unwinds like Ctrl-C, so the workers below are stopped, not left running.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     args.concurrency = args.concurrency or ([1, 8, 32] if args.load else [1, 4])
     if args.quick:
         args.prompt_lens, args.concurrency, args.requests, args.max_tokens = [32], [2], 2, 8
