@@ -7,11 +7,15 @@ processes on loopback (a script, not a test).
    decoding while long prompts keep arriving, against the same requests with
    no arrivals.
 
-Every worker gets the same number of compute threads (--threads), so PD uses
-two processes' worth of them and mixed one: on a machine with few cores PD
-and mixed compete for the same cores, which this benchmark does not hide.
+3. With --load: throughput under load, mixed against PD on the same prompts
+   at concurrency 1, 8 and 32, rounds alternating which goes first, with the
+   PD/mixed ratios.
 
-    .venv/bin/python benchmarks/bench_pd.py [--model builtin:smollm2-135m] [--quick]
+The mixed worker gets the machine's usable CPUs as compute threads and the
+prefill and the decode half each, as `disagg demo` gives them: the three are
+driven one role at a time, so neither side oversubscribes the cores.
+
+    .venv/bin/python benchmarks/bench_pd.py [--model builtin:smollm2-135m] [--quick] [--load]
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import signal
 import statistics
 import sys
 import tempfile
@@ -29,6 +34,7 @@ from pathlib import Path
 
 import httpx
 
+from disagg.workers.config import default_threads
 from disagg.workers.local import WorkerFailed, WorkerProcess, link, spawn_worker
 
 STARTUP_S = 900.0
@@ -39,6 +45,7 @@ SERVED = "bench"
 class Sample:
     ttft_s: float
     tpot_s: float | None  # None for a single output token
+    tokens: int
 
 
 FIRST_ID = 100  # prompt token ids start past the special tokens
@@ -79,7 +86,7 @@ async def stream_one(client: httpx.AsyncClient, worker: WorkerProcess, prompt: l
                 last = now
                 n += got
     assert first is not None and last is not None, "a completion streams at least one token"
-    return Sample(first - began, (last - first) / (n - 1) if n > 1 else None)
+    return Sample(first - began, (last - first) / (n - 1) if n > 1 else None, n)
 
 
 async def run_load(worker: WorkerProcess, prompts: list[list[int]], concurrency: int, max_tokens: int) -> list[Sample]:
@@ -116,13 +123,15 @@ def ms(values: Sequence[float | None]) -> str:
     return f"{statistics.mean(xs) * 1e3:7.1f} / {p90 * 1e3:7.1f}"
 
 
-def start_workers(model: str, log_dir: Path, threads: int, mode: str,
+def start_workers(model: str, log_dir: Path, args: argparse.Namespace,
                   started: list[WorkerProcess]) -> tuple[WorkerProcess, WorkerProcess, WorkerProcess]:  # fmt: skip
     """A linked prefill and decode, and a mixed worker; each appended to `started` as it starts."""
     extra = ["--served-model-name", SERVED, "--max-model-len", "2048"]
-    env = {"OMP_NUM_THREADS": str(threads)}
-    for role, more in (("decode", []), ("prefill", ["--kv-transfer-mode", mode]), ("mixed", [])):
-        started.append(spawn_worker(role, model, log_dir / f"{role}.log", [*extra, *more], env=env))
+    env = dict(kv.split("=", 1) for kv in args.worker_env)
+    for role, threads, more in (("decode", args.pd_threads, []),
+                                ("prefill", args.pd_threads, ["--kv-transfer-mode", args.kv_transfer_mode]),
+                                ("mixed", args.threads, [])):  # fmt: skip
+        started.append(spawn_worker(role, model, log_dir / f"{role}.log", [*extra, *more], env=env, threads=threads))
     decode, prefill, mixed = started
     for w in started:
         w.wait_loaded(STARTUP_S)
@@ -130,6 +139,44 @@ def start_workers(model: str, log_dir: Path, threads: int, mode: str,
     if error:
         raise WorkerFailed(f"link: {error}")
     return prefill, decode, mixed
+
+
+@dataclass(frozen=True)
+class Load:
+    """One load case on one worker: output tokens per second over the wall time, and medians."""
+
+    tok_s: float
+    ttft_s: float
+    tpot_s: float
+
+    @classmethod
+    async def measure(cls, worker: WorkerProcess, prompts: list[list[int]], conc: int, max_tokens: int) -> Load:
+        began = time.perf_counter()
+        samples = await run_load(worker, prompts, conc, max_tokens)
+        wall = time.perf_counter() - began
+        return cls(sum(s.tokens for s in samples) / wall, statistics.median(s.ttft_s for s in samples),
+                   statistics.median(s.tpot_s for s in samples if s.tpot_s is not None))  # fmt: skip
+
+
+async def bench_load(targets: dict[str, WorkerProcess], args: argparse.Namespace) -> None:
+    """Mixed and PD on the same prompts at each concurrency; rounds alternate which goes first."""
+    prompts = Prompts(args.id_range)
+    for w in targets.values():  # warm up (first-call allocations)
+        await run_load(w, [prompts.next(16)], 1, 4)
+    print(f"\nload: {args.load_prompt} prompt tokens, {args.load_tokens} output tokens (ignore_eos, greedy), "
+          f"max({args.requests}, concurrency) requests per case; tok/s, median TTFT and TPOT in ms")  # fmt: skip
+    print(f"{'round':>5s} {'conc':>4s} | {'mixed tok/s':>11s} {'TTFT':>7s} {'TPOT':>6s} | "
+          f"{'PD tok/s':>8s} {'TTFT':>7s} {'TPOT':>6s} | PD/mixed: tok/s  TTFT  TPOT")  # fmt: skip
+    for r in range(args.rounds):
+        for conc in args.concurrency:
+            batch = [prompts.next(args.load_prompt) for _ in range(max(args.requests, conc))]
+            order = list(targets.items()) if r % 2 == 0 else list(reversed(targets.items()))
+            got = {name: await Load.measure(w, batch, conc, args.load_tokens) for name, w in order}
+            m, pd = got["mixed"], got["PD"]
+            print(f"{r + 1:5d} {conc:4d} | {m.tok_s:11.1f} {m.ttft_s * 1e3:7.0f} {m.tpot_s * 1e3:6.1f} | "
+                  f"{pd.tok_s:8.1f} {pd.ttft_s * 1e3:7.0f} {pd.tpot_s * 1e3:6.1f} | "
+                  f"{pd.tok_s / m.tok_s:14.2f}x {pd.ttft_s / m.ttft_s:4.2f}x {pd.tpot_s / m.tpot_s:4.2f}x",
+                  flush=True)  # fmt: skip
 
 
 async def bench(prefill: WorkerProcess, mixed: WorkerProcess, args: argparse.Namespace) -> None:
@@ -162,9 +209,20 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="builtin:smollm2-135m")
     p.add_argument("--kv-transfer-mode", choices=("PUSH", "PULL"), default="PUSH")
-    p.add_argument("--threads", type=int, default=1, help="compute threads per worker process (default %(default)s)")
+    p.add_argument("--threads", type=int, default=default_threads(),
+                   help="compute threads of the mixed worker (default: the usable CPUs, %(default)s)")
+    p.add_argument("--pd-threads", type=int, default=default_threads(workers=2),
+                   help="compute threads of the prefill and of the decode (default: half the usable CPUs each, "
+                        "%(default)s)")  # fmt: skip
+    p.add_argument("--worker-env", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="environment of every worker, e.g. GOMP_SPINCOUNT=300000 (libgomp's spinning default)")
+    p.add_argument("--load", action="store_true",
+                   help="only the load comparison: mixed against PD at each --concurrency, --rounds times")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--load-prompt", type=int, default=256)
+    p.add_argument("--load-tokens", type=int, default=128)
     p.add_argument("--prompt-lens", type=int, nargs="+", default=[32, 512])
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--concurrency", type=int, nargs="+", default=None, help="default 1 4 (with --load: 1 8 32)")
     p.add_argument("--requests", type=int, default=4, help="requests per case (at least 2x the concurrency)")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--decoders", type=int, default=4)
@@ -174,16 +232,21 @@ def main() -> int:
                    help="prompt token ids are 100 + [0, this): keep it under the vocabulary (default %(default)s)")
     p.add_argument("--quick", action="store_true", help="one small case of each kind (a smoke run)")
     args = p.parse_args()
+    # A SIGTERM (`timeout`) unwinds like Ctrl-C, so the workers below are stopped, not left running.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    args.concurrency = args.concurrency or ([1, 8, 32] if args.load else [1, 4])
     if args.quick:
         args.prompt_lens, args.concurrency, args.requests, args.max_tokens = [32], [2], 2, 8
         args.decoders, args.decode_tokens, args.long_prompt = 2, 16, 128
+        args.rounds, args.load_prompt, args.load_tokens = 1, 32, 8
     print("command:", " ".join([Path(sys.executable).name, *sys.argv]))
-    print(f"model {args.model}, {args.kv_transfer_mode} over tcp, {args.threads} thread(s) per worker")
+    print(f"model {args.model}, {args.kv_transfer_mode} over tcp, {args.threads} thread(s) for mixed, "
+          f"{args.pd_threads} for each PD worker, worker env {args.worker_env or 'as is'}")  # fmt: skip
     log_dir = Path(tempfile.mkdtemp(prefix="bench-pd-"))
     workers: list[WorkerProcess] = []
     try:
-        prefill, _, mixed = start_workers(args.model, log_dir, args.threads, args.kv_transfer_mode, workers)
-        asyncio.run(bench(prefill, mixed, args))
+        prefill, _, mixed = start_workers(args.model, log_dir, args, workers)
+        asyncio.run(bench_load({"mixed": mixed, "PD": prefill}, args) if args.load else bench(prefill, mixed, args))
         sent = prefill.metric("disagg_kv_transfer_bytes_total", direction="sent")
         print(f"\nKV bytes sent by the prefill: {sent:,.0f} (logs in {log_dir})")
     except WorkerFailed as exc:

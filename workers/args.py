@@ -66,6 +66,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                      help="token budget of one engine step (default %(default)s)")
     eng.add_argument("--max-model-len", type=int, default=_default(e, "max_model_len"),
                      help="context length served (default: the model's)")
+    eng.add_argument("--threads", type=int, default=_default(s, "threads"),
+                     help="compute threads (default: $OMP_NUM_THREADS, else the CPUs this process may use, "
+                          "from its affinity and cgroup quota)")
     eng.add_argument("--seed", type=int, default=_default(e, "seed"),
                      help="seed of requests that give none (default %(default)s)")
 
@@ -115,5 +118,6 @@ def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]
         cluster_key=None if args.role == Role.MIXED.value and not args.cluster_key_file else cluster_key(args),
         insecure=args.insecure,
         allow_anonymous_peers=args.allow_anonymous_peers,
+        threads=args.threads,
     )
     return engine, server

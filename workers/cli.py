@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -102,8 +103,22 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _set_openmp_wait_policy() -> None:
+    """Idle OpenMP threads sleep instead of spinning, unless the user chose a policy.
+
+    libgomp (torch's OpenMP on Linux) spins for a while after each parallel
+    region; two workers on the same cores (a prefill and a decode) then burn
+    each other's CPU time (docs/benchmarks.md). NOTE: libgomp reads these once,
+    when torch loads, so this runs before any subcommand imports it; the
+    workers `disagg demo` starts inherit it.
+    """
+    if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    _set_openmp_wait_policy()
     # The first word that names a subcommand is the subcommand (no top-level option takes a value).
     command = next((a for a in argv if a in SUBCOMMANDS), None)
     parser = build_parser(command)

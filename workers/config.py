@@ -26,7 +26,8 @@ from disagg.proto.vocabulary import (
 
 from disagg.workers.security.key import ClusterKey
 
-__all__ = ["Role", "ServerConfig", "TransferMode", "Transport", "default_kv_connections", "usable_cpus"]
+__all__ = ["Role", "ServerConfig", "TransferMode", "Transport", "default_kv_connections", "default_threads",
+           "usable_cpus"]
 
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")  # cgroup v2: "<quota> <period>" or "max <period>"
 
@@ -61,6 +62,8 @@ class ServerConfig:
     insecure: bool = False
     # Accept control calls that carry no credential at all (an xLLM peer); a wrong one is still refused.
     allow_anonymous_peers: bool = False
+    # torch's intra-op threads. None: default_threads().
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("http_port", "grpc_port", "transfer_port"):
@@ -88,6 +91,12 @@ class ServerConfig:
             )
         if self.kv_connections is not None and not 1 <= self.kv_connections <= MAX_KV_CONNECTIONS:
             raise ValueError(f"kv_connections must be between 1 and {MAX_KV_CONNECTIONS}, got {self.kv_connections}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be at least 1, got {self.threads}")
+
+    @property
+    def num_threads(self) -> int:
+        return default_threads() if self.threads is None else self.threads
 
     @property
     def instance_host(self) -> str:
@@ -129,3 +138,24 @@ def default_kv_connections(cpus: int | None = None) -> int:
     both ends busy, more only contend (docs/benchmarks-transfer.md).
     """
     return max(1, min(4, (usable_cpus() if cpus is None else cpus) // 2))
+
+
+def default_threads(workers: int = 1, cpus: int | None = None) -> int:
+    """Compute threads for each of `workers` processes sharing this machine's usable CPUs.
+
+    $OMP_NUM_THREADS, when set, wins (the OpenMP convention torch follows too).
+    Otherwise the usable CPUs split evenly, at least one each: more threads
+    than cores make the processes' thread pools preempt one another in the
+    middle of every matmul (docs/benchmarks.md).
+    """
+    if workers < 1:
+        raise ValueError(f"workers must be at least 1, got {workers}")
+    if cpus is None and (env := os.environ.get("OMP_NUM_THREADS")):
+        try:
+            threads = int(env)
+        except ValueError:
+            raise ValueError(f"OMP_NUM_THREADS must be a whole number, got {env!r}") from None
+        if threads < 1:
+            raise ValueError(f"OMP_NUM_THREADS must be at least 1, got {threads}")
+        return threads
+    return max(1, (usable_cpus() if cpus is None else cpus) // workers)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 
+from disagg.workers.config import default_threads
 from disagg.workers.local import WorkerFailed, WorkerProcess, link, spawn_worker
 from disagg.workers.security.key import ClusterKey
 
@@ -75,7 +76,8 @@ def _mean(worker: WorkerProcess, histogram: str) -> float | None:
 def running_pair(model: str, log_dir: Path, extra: list[str], startup_timeout_s: float,
                  mode: str = "PUSH", key_file: Path | None = None,
                  ) -> Iterator[tuple[WorkerProcess, WorkerProcess]]:  # fmt: skip
-    """A prefill and a decode on loopback, loaded and linked; both stopped on the way out, whatever happens.
+    """A prefill and a decode on loopback, loaded and linked, splitting the CPUs; both stopped on the way out,
+    whatever happens.
 
     They share the key in `key_file`; None: a random one, written to `log_dir`.
     """
@@ -85,10 +87,12 @@ def running_pair(model: str, log_dir: Path, extra: list[str], startup_timeout_s:
         key_file.unlink(missing_ok=True)
         ClusterKey.generate().write(key_file)
     workers: list[WorkerProcess] = []
+    threads = default_threads(workers=2)
     try:
         for role in ("decode", "prefill"):
             workers.append(spawn_worker(role, model, log_dir / f"{role}.log",
-                                        ["--kv-transfer-mode", mode, *extra], key_file=key_file))  # fmt: skip
+                                        ["--kv-transfer-mode", mode, *extra], key_file=key_file,
+                                        threads=threads))  # fmt: skip
         decode, prefill = workers
         for w in workers:
             w.wait_loaded(startup_timeout_s)

@@ -117,16 +117,20 @@ class WorkerProcess:
 
 
 def spawn_worker(role: str, model: str, log_path: Path, extra: Sequence[str] = (), host: str = LOOPBACK,
-                 env: dict[str, str] | None = None, key_file: Path | None = None) -> WorkerProcess:  # fmt: skip
+                 env: dict[str, str] | None = None, key_file: Path | None = None,
+                 threads: int | None = None) -> WorkerProcess:  # fmt: skip
     """Start `disagg serve --role ROLE` on free ports of `host`; returns at once (see `wait_loaded`).
 
     A prefill or decode gets `--cluster-key-file key_file`, or `--insecure` when it is None.
+    `threads`: its --threads; give workers that run at the same time their
+    share of the CPUs (`default_threads(workers=N)`). None: the worker's default.
     """
     ports = [free_port(host) for _ in range(3)]
     auth = [] if role == "mixed" else ["--insecure"] if key_file is None else ["--cluster-key-file", str(key_file)]
     cmd = [
         sys.executable, "-m", "disagg.workers", "serve", "--role", role, "--model", model, "--host", host,
-        "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--transfer-port", str(ports[2]), *auth, *extra,
+        "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--transfer-port", str(ports[2]), *auth,
+        *([] if threads is None else ["--threads", str(threads)]), *extra,
     ]  # fmt: skip
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("ab") as log:

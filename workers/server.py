@@ -22,6 +22,7 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+import torch
 import uvicorn
 from fastapi import FastAPI
 
@@ -147,6 +148,9 @@ class _UvicornServer(uvicorn.Server):
 def run(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     """Serve until SIGTERM/SIGINT; return the process exit code."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(server_config.num_threads)  # once, before the model loads
+    torch.set_num_interop_threads(1)
+    log.info("compute threads: %d (inter-op: %d)", torch.get_num_threads(), torch.get_num_interop_threads())
     return asyncio.run(serve(engine_config, server_config, ROLES[server_config.role]))
 
 

@@ -1,5 +1,5 @@
 """`disagg serve` as a command: bad settings and bad models fail with a reason; defaults that follow the
-machine; metric names; the frozen heap."""
+machine (KV connections, compute threads, OpenMP waiting); metric names; the frozen heap."""
 
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ from typing import Any
 import httpx
 import pytest
 
-from disagg.workers.config import default_kv_connections, usable_cpus
+from disagg.workers import cli
+from disagg.workers.config import default_kv_connections, default_threads, usable_cpus
+from disagg.workers.demo import running_pair
 from disagg.workers.heap import freeze_startup_heap
 from disagg.workers.local import free_port
 
@@ -37,6 +39,9 @@ def test_invalid_settings_fail_before_loading() -> None:
     result = _run("--role", "decode", "--model", "x", "--kv-connections", "0")
     assert result.returncode == 2
     assert "kv_connections must be between 1 and 64" in result.stderr
+    result = _run("--role", "mixed", "--model", "x", "--threads", "0")
+    assert result.returncode == 2
+    assert "threads must be at least 1" in result.stderr
 
 
 @pytest.mark.parametrize(("cpu_max", "expected"), [
@@ -87,6 +92,56 @@ def test_metrics_carry_every_contract_name(served: Any) -> None:
     assert not missing, missing
     assert 'disagg_requests_total{role="mixed",status="ok"}' in text
     assert 'python_gc_collections_total{generation="2"}' in text and "process_cpu_seconds_total" in text
+
+
+@pytest.mark.parametrize(("workers", "cpus", "threads"), [(1, 1, 1), (1, 2, 2), (2, 2, 1), (2, 1, 1), (3, 16, 5)])
+def test_default_threads_split_the_usable_cpus(monkeypatch: pytest.MonkeyPatch, workers: int, cpus: int,
+                                               threads: int) -> None:  # fmt: skip
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert default_threads(workers, cpus) == threads
+
+
+def test_default_threads_follow_omp_num_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert default_threads() == usable_cpus()
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert default_threads() == default_threads(workers=2) == 3
+    for bad in ("many", "0"):
+        monkeypatch.setenv("OMP_NUM_THREADS", bad)
+        with pytest.raises(ValueError, match="OMP_NUM_THREADS"):
+            default_threads()
+    with pytest.raises(ValueError, match="workers must be at least 1"):
+        default_threads(workers=0)
+
+
+@pytest.mark.parametrize(("given", "expected"), [
+    ({}, {"OMP_WAIT_POLICY": "PASSIVE"}),
+    ({"OMP_WAIT_POLICY": "ACTIVE"}, {"OMP_WAIT_POLICY": "ACTIVE"}),
+    ({"GOMP_SPINCOUNT": "300000"}, {"GOMP_SPINCOUNT": "300000", "OMP_WAIT_POLICY": None}),
+])  # fmt: skip
+def test_the_cli_makes_openmp_wait_passively_unless_told(monkeypatch: pytest.MonkeyPatch, capsys: Any,
+                                                         given: dict[str, str], expected: dict[str, str | None]) -> None:  # fmt: skip
+    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in given.items():
+        monkeypatch.setenv(name, value)
+    assert cli.main([]) == 2  # no subcommand: the help; the policy is set first all the same
+    assert {name: os.environ.get(name) for name in expected} == expected
+
+
+def test_threads_reach_torch(served: Any, worker_launcher: Any, tiny_model_dir: Path, tmp_path: Path) -> None:
+    # `served` runs with OMP_NUM_THREADS=1; --threads wins over it.
+    assert "compute threads: 1 (inter-op: 1)" in served.log()
+    with worker_launcher(str(tiny_model_dir), tmp_path / "worker.log", "--threads", "3") as worker:
+        assert "compute threads: 3 (inter-op: 1)" in worker.log()
+
+
+def test_a_local_pair_splits_the_cpus(monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Path, tmp_path: Path) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    share = max(1, usable_cpus() // 2)
+    with running_pair(str(tiny_model_dir), tmp_path, ["--device", "cpu"], 180.0) as workers:
+        for worker in workers:
+            assert f"compute threads: {share} (inter-op: 1)" in worker.log(), worker.log()[-2000:]
 
 
 class _Cycle:

@@ -3,6 +3,9 @@ deadline on every call, and gRPC failures turned into the roles' errors."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable, Callable
+
 import grpc
 
 from disagg.proto import common_pb2, disagg_pd_pb2 as pb, disagg_pd_pb2_grpc, xllm_service_pb2_grpc
@@ -28,6 +31,53 @@ def rpc_error(peer: str, exc: grpc.aio.AioRpcError) -> PDError:
     return cls(f"{peer}: {exc.code().name}: {exc.details()}")
 
 
+class _Coalescer:
+    """Outputs bound for one prefill, from every request streaming to it, go
+    out together: one Generations call at a time, carrying everything queued
+    while the previous one was in flight.
+
+    One call per request per token cost the decode's event loop as much CPU
+    as its engine step at 32 concurrent requests (docs/benchmarks.md).
+    """
+
+    def __init__(self, send: Callable[[list[RequestOutput]], Awaitable[list[bool]]]) -> None:
+        self._send = send
+        self._queue: list[tuple[list[RequestOutput], asyncio.Future[list[bool]]]] = []
+        self._sender: asyncio.Task[None] | None = None
+
+    async def submit(self, outputs: list[RequestOutput]) -> list[bool]:
+        future: asyncio.Future[list[bool]] = asyncio.get_running_loop().create_future()
+        self._queue.append((outputs, future))
+        if self._sender is None or self._sender.done():
+            self._sender = asyncio.create_task(self._drain())
+        return await future
+
+    async def _drain(self) -> None:
+        await asyncio.sleep(0)  # let the other requests of this engine step queue theirs first
+        while self._queue:
+            batch = [(outs, f) for outs, f in self._queue if not f.done()]  # skip callers that were cancelled
+            self._queue = []
+            try:
+                tracked = await self._send([o for outs, _ in batch for o in outs])
+            except Exception as exc:  # PDError, or a bug: each caller gets it, none waits forever
+                for _, f in batch:
+                    if not f.done():
+                        f.set_exception(exc)
+                continue
+            start = 0
+            for outs, f in batch:
+                if not f.done():
+                    f.set_result(tracked[start:start + len(outs)])
+                start += len(outs)
+
+    def close(self) -> None:
+        if self._sender is not None:
+            self._sender.cancel()
+        for _, f in self._queue:
+            f.cancel()
+        self._queue = []
+
+
 class PeerClients:
     """Every call carries a credential of `key` (None: none, --insecure)."""
 
@@ -35,6 +85,7 @@ class PeerClients:
         self._config = config
         self._key = key
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._coalescers: dict[str, _Coalescer] = {}
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
@@ -83,7 +134,13 @@ class PeerClients:
                 raise rpc_error(decode, exc) from exc
 
     async def generations(self, prefill: str, outputs: list[RequestOutput]) -> list[bool]:
-        """Stream outputs to their prefill; for each, whether it still tracks the request."""
+        """Stream outputs to their prefill, together with other requests' (`_Coalescer`); for each, whether it
+        still tracks the request."""
+        if prefill not in self._coalescers:
+            self._coalescers[prefill] = _Coalescer(lambda batch: self._generations(prefill, batch))
+        return await self._coalescers[prefill].submit(outputs)
+
+    async def _generations(self, prefill: str, outputs: list[RequestOutput]) -> list[bool]:
         stub = xllm_service_pb2_grpc.XllmRpcServiceStub(self._channel(prefill))
         msg = pb.DisaggStreamGenerations(gens=[convert.output_to_proto(o) for o in outputs])
         try:
@@ -96,6 +153,9 @@ class PeerClients:
         return [s.ok for s in statuses]
 
     async def close(self) -> None:
+        for coalescer in self._coalescers.values():
+            coalescer.close()
+        self._coalescers.clear()
         for channel in self._channels.values():
             await channel.close()
         self._channels.clear()
