@@ -108,7 +108,7 @@ async def test_the_http_link_routes_need_the_credential(pd_pair: Callable[..., A
     async with pd_pair() as pair:
         app = FastAPI()
         refused: list[str] = []
-        add_link_routes(app, lambda: pair.decode.role, ControlGuard(pair.decode_config.cluster_key,
+        add_link_routes(app, lambda: pair.decode.handlers, ControlGuard(pair.decode_config.cluster_key,
                                                                      on_failure=refused.append))  # fmt: skip
         path = "/xllm.proto.DisaggPDService/LinkInstance"
         body = {"instance_name": pair.prefill_config.instance_name, "addrs": [pair.prefill_info.transfer_address]}
@@ -198,7 +198,7 @@ async def test_a_linked_peer_touches_only_the_blocks_of_its_own_requests(pd_pair
         before = _free(pair)
         transports[0].pool[:, 7] = 3.0  # a free prefill block with a mark the decode's block 9 lacks
         kept = transports[1].pool[:, 9].clone()
-        to_decode = pair.prefill.role.peers.get(pair.decode_config.instance_name)
+        to_decode = pair.prefill.role.router.peers.get(pair.decode_config.instance_name)
         to_prefill = pair.decode.role.peers.get(pair.prefill_config.instance_name)
         attempts = [lambda: to_decode.push(0, [7], [9]), lambda: to_prefill.pull([7], [9]),
                     lambda: to_decode.pull([9], [7]), lambda: to_prefill.push(0, [9], [7])]  # fmt: skip
