@@ -31,6 +31,7 @@ DRAINING_ANNOTATION = f"{GROUP}/draining-since"  # set when scale-down picks a p
 HTTP_PORT = 8000
 GRPC_PORT = 7777
 TRANSFER_PORT = 26000
+ADMIN_PORT = 8001  # `disagg serve`'s default: /drain and the HTTP link routes, for the operator only
 CONTAINER = "worker"
 # The preStop pause keeps a terminating worker serving while the operator
 # unlinks it from its peers; endpoints drop it at once, so no new requests come.
@@ -123,6 +124,7 @@ def worker_pod_spec(role: str, spec: ClusterSpec, pod_security_context: Mapping[
             {"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
             {"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"},
             {"name": "transfer", "containerPort": TRANSFER_PORT, "protocol": "TCP"},
+            {"name": "admin", "containerPort": ADMIN_PORT, "protocol": "TCP"},
         ],
         "resources": dict(r.resources),
         # /ready: the model is loaded (and, for a prefill, a decode is linked).
@@ -142,6 +144,7 @@ def worker_pod_spec(role: str, spec: ClusterSpec, pod_security_context: Mapping[
         # Draining happens before deletion; the grace period only covers preStop and shutdown.
         "terminationGracePeriodSeconds": PRESTOP_SLEEP_S + 30,
         "enableServiceLinks": False,
+        "automountServiceAccountToken": False,  # a worker never calls the Kubernetes API
     }
     optional = {"nodeSelector": dict(r.node_selector), "tolerations": [dict(t) for t in r.tolerations],
                 "affinity": dict(r.affinity), "priorityClassName": r.priority_class_name,

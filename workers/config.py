@@ -11,7 +11,7 @@ import enum
 import ipaddress
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")  # cgroup v2: "<quota> <period>" or "max <period>"
@@ -49,6 +49,8 @@ class ServerConfig:
     http_port: int = 8000
     grpc_port: int = 7777
     transfer_port: int = 26000
+    # /drain and xLLM's HTTP link routes: state changes, kept off the client port.
+    admin_port: int = 8001
     served_model_name: str | None = None  # None: the --model source
     kv_transfer_mode: KvTransferMode = KvTransferMode.PUSH
     kv_transport: KvTransport = KvTransport.TCP
@@ -58,17 +60,21 @@ class ServerConfig:
     # Seconds to let in-flight requests finish after SIGTERM before the
     # server closes their connections.
     graceful_shutdown_s: float = 30.0
+    # Clients of the OpenAI API send it as `Authorization: Bearer`; None: open.
+    api_key: str | None = field(default=None, repr=False)
+    # Client requests held beyond the engine's max_num_seqs before a 429; None: 4 x max_num_seqs.
+    max_queued_requests: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("http_port", "grpc_port", "transfer_port"):
+        for name in ("http_port", "grpc_port", "transfer_port", "admin_port"):
             port = getattr(self, name)
             if not 1 <= port <= 65535:
                 raise ValueError(f"{name} must be between 1 and 65535, got {port}")
-        ports = {self.http_port, self.grpc_port, self.transfer_port}
-        if len(ports) != 3:
+        ports = {self.http_port, self.grpc_port, self.transfer_port, self.admin_port}
+        if len(ports) != 4:
             raise ValueError(
-                f"http_port, grpc_port and transfer_port must differ, got "
-                f"{self.http_port}, {self.grpc_port}, {self.transfer_port}"
+                f"http_port, grpc_port, transfer_port and admin_port must differ, got "
+                f"{self.http_port}, {self.grpc_port}, {self.transfer_port}, {self.admin_port}"
             )
         if not self.host:
             raise ValueError("host must not be empty")
@@ -76,6 +82,10 @@ class ServerConfig:
             raise ValueError("served_model_name must not be blank")
         if self.graceful_shutdown_s < 0:
             raise ValueError(f"graceful_shutdown_s must be >= 0, got {self.graceful_shutdown_s}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key must not be blank")
+        if self.max_queued_requests is not None and self.max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
         if self.kv_connections is not None and not 1 <= self.kv_connections <= MAX_KV_CONNECTIONS:
             raise ValueError(f"kv_connections must be between 1 and {MAX_KV_CONNECTIONS}, got {self.kv_connections}")
 

@@ -67,9 +67,10 @@ def test_unknown_role_is_an_argparse_error() -> None:
 
 @pytest.mark.parametrize("role", ["mixed", "prefill", "decode"])
 def test_missing_model_fails_at_start_with_a_reason(tmp_path: Path, role: str) -> None:
-    ports = [str(free_port()) for _ in range(3)]
+    ports = [str(free_port()) for _ in range(4)]
     result = _run("--role", role, "--model", str(tmp_path / "missing"), "--host", "127.0.0.1", "--device", "cpu",
-                  "--http-port", ports[0], "--grpc-port", ports[1], "--transfer-port", ports[2])  # fmt: skip
+                  "--http-port", ports[0], "--grpc-port", ports[1], "--transfer-port", ports[2],
+                  "--admin-port", ports[3])  # fmt: skip
     assert result.returncode == 1
     assert "does not exist" in result.stderr
 
