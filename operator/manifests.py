@@ -31,7 +31,7 @@ DRAINING_ANNOTATION = f"{GROUP}/draining-since"  # set when scale-down picks a p
 HTTP_PORT = 8000
 GRPC_PORT = 7777
 TRANSFER_PORT = 26000
-ADMIN_PORT = 8001  # `disagg serve`'s default: /drain and the HTTP link routes, for the operator only
+ADMIN_PORT = 8100  # `disagg serve`'s default: /drain and the HTTP link routes, for the operator only
 CONTAINER = "worker"
 # The preStop pause keeps a terminating worker serving while the operator
 # unlinks it from its peers; endpoints drop it at once, so no new requests come.

@@ -50,7 +50,7 @@ class ServerConfig:
     grpc_port: int = 7777
     transfer_port: int = 26000
     # /drain and xLLM's HTTP link routes: state changes, kept off the client port.
-    admin_port: int = 8001
+    admin_port: int = 8100
     served_model_name: str | None = None  # None: the --model source
     kv_transfer_mode: KvTransferMode = KvTransferMode.PUSH
     kv_transport: KvTransport = KvTransport.TCP

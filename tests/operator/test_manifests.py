@@ -21,7 +21,7 @@ def test_pod_runs_disagg_serve_with_the_engine_args(spec: ClusterSpec, owner: Ca
     assert "--num-kv-blocks" not in args
     assert "--kv-connections" not in args, "unset: the worker picks a count for its CPUs"
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    assert ports == {"http": 8000, "grpc": 7777, "transfer": 26000, "admin": 8001}
+    assert ports == {"http": 8000, "grpc": 7777, "transfer": 26000, "admin": 8100}
     assert c["env"][0] == {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
     assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
     assert c["lifecycle"]["preStop"]["sleep"]["seconds"] > 0
