@@ -3,6 +3,7 @@ machine; metric names; the frozen heap."""
 
 from __future__ import annotations
 
+import argparse
 import gc
 import os
 import re
@@ -16,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
+from disagg.workers.args import add_serve_arguments, build_configs
 from disagg.workers.config import default_kv_connections, usable_cpus
 from disagg.workers.heap import freeze_startup_heap
 from disagg.workers.local import free_port
@@ -37,6 +39,24 @@ def test_invalid_settings_fail_before_loading() -> None:
     result = _run("--role", "decode", "--model", "x", "--kv-connections", "0")
     assert result.returncode == 2
     assert "kv_connections must be between 1 and 64" in result.stderr
+    result = _run("--role", "mixed", "--model", "x", "--admin-port", "8000")
+    assert result.returncode == 2 and "admin_port must differ" in result.stderr
+    result = _run("--role", "mixed", "--model", "x", "--max-queued-requests", "-1")
+    assert result.returncode == 2 and "max_queued_requests must be >= 0" in result.stderr
+
+
+def test_the_api_key_comes_from_the_flag_or_the_environment() -> None:
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    base = ["--role", "mixed", "--model", "x"]
+    _, server = build_configs(parser.parse_args(base), env={"DISAGG_API_KEY": "from-env"})
+    assert server.api_key == "from-env" and "from-env" not in repr(server), "the key stays out of logs"
+    _, server = build_configs(parser.parse_args([*base, "--api-key", "from-flag"]), env={"DISAGG_API_KEY": "from-env"})
+    assert server.api_key == "from-flag"
+    _, server = build_configs(parser.parse_args(base), env={})
+    assert server.api_key is None
+    with pytest.raises(ValueError, match="api_key must not be blank"):
+        build_configs(parser.parse_args([*base, "--api-key", " "]), env={})
 
 
 @pytest.mark.parametrize(("cpu_max", "expected"), [
