@@ -45,7 +45,7 @@ proto: setup
 	$(BIN)/python proto/generate.py
 
 lint: setup
-	$(BIN)/python -m mypy workers operator testing proto/generate.py benchmarks
+	bash hack/typecheck.sh $(BIN)/python
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

@@ -217,7 +217,7 @@ async def real_workers(repeats: int, prefill: int, decode: int) -> None:
     with tempfile.TemporaryDirectory() as tmp, LocalCluster() as cluster, \
             config.new_client_from_config(config_file=str(cluster.admin_kubeconfig)) as api:
         ext = client.ApiextensionsV1Api(api)
-        ext.create_custom_resource_definition(crd.crd(), _request_timeout=10)
+        ext.create_custom_resource_definition(crd.crd(), _request_timeout=10)  # type: ignore[arg-type]  # the client takes a dict body
         def established() -> bool:
             got = ext.read_custom_resource_definition(f"{crd.PLURAL}.{crd.GROUP}", _request_timeout=10)
             return any(c.type == "Established" and c.status == "True" for c in (got.status and got.status.conditions) or [])

@@ -358,7 +358,7 @@ class Setup:
 
     def demand(self, requests: Sequence[Request]) -> list[dict[Role, float]]:
         """Pods each role needs, per 60 s of the trace, at UTILISATION of their capacity."""
-        out = []
+        out: list[dict[Role, float]] = []
         for k in range(int(DURATION_S // 60)):
             window = [r for r in requests if k * 60 <= r.arrival < (k + 1) * 60]
             prompt_rate = sum(r.prompt_len for r in window) / 60

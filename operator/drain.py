@@ -5,10 +5,10 @@ Before a drain starts the reconcile has taken the pod out of routing
 
 1. waits `grace_s`, so that load balancers and clients that read the
    endpoints a moment ago stop sending (the pod still serves meanwhile);
-2. calls the worker's `POST /drain`: a draining prefill answers new client
+2. calls the worker's `POST /drain` on its admin port: a draining prefill answers new client
    requests and /ready with 503, a draining decode answers AddNewRequests
    with 404 (prefills pick another decode); requests in flight go on;
-3. polls the worker's /metrics until running plus waiting requests reach 0,
+3. polls the worker's /metrics (the admin port serves them too) until running plus waiting requests reach 0,
    until the wall-clock deadline (draining-since + spec.drain.timeoutSeconds).
 
 The caller then unlinks the pod from its peers and deletes it. Unlinking
@@ -27,7 +27,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from disagg.operator.links import Endpoint
-from disagg.operator.manifests import HTTP_PORT
+from disagg.operator.manifests import ADMIN_PORT, HTTP_PORT
 
 IN_FLIGHT_METRICS = ("disagg_requests_running", "disagg_requests_waiting")
 
@@ -48,7 +48,7 @@ async def in_flight(http: httpx.AsyncClient, ip: str, port: int = HTTP_PORT) -> 
     return total
 
 
-async def stop_new_work(http: httpx.AsyncClient, ip: str, port: int = HTTP_PORT) -> bool:
+async def stop_new_work(http: httpx.AsyncClient, ip: str, port: int = ADMIN_PORT) -> bool:
     """`POST /drain` on the worker (idempotent); False when it did not take it."""
     try:
         response = await http.post(f"http://{ip}:{port}/drain")
@@ -67,8 +67,8 @@ class DrainOutcome:
 
 
 async def drain(pod: Endpoint, http: httpx.AsyncClient, deadline: float, grace_s: float,
-                poll_s: float, port: int = HTTP_PORT) -> DrainOutcome:
-    """Steps 1-3 above for `pod` (its HTTP API on `port`); `deadline` is wall-clock (epoch seconds)."""
+                poll_s: float, port: int = ADMIN_PORT) -> DrainOutcome:
+    """Steps 1-3 above for `pod` (its admin port `port`); `deadline` is wall-clock (epoch seconds)."""
     began = time.monotonic()
     await asyncio.sleep(max(0.0, min(grace_s, deadline - time.time())))
     stopped = await stop_new_work(http, pod.ip, port)

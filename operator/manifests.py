@@ -15,7 +15,7 @@ import kopf
 
 from disagg.operator.crd import GROUP
 from disagg.operator.spec import ROLES, ClusterSpec, flag_values
-from disagg.proto.vocabulary import GRPC_PORT, HTTP_PORT, TRANSFER_PORT
+from disagg.proto.vocabulary import ADMIN_PORT, GRPC_PORT, HTTP_PORT, TRANSFER_PORT
 
 Obj = dict[str, Any]
 
@@ -113,6 +113,7 @@ def worker_pod_spec(role: str, spec: ClusterSpec, pod_security_context: Mapping[
             {"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
             {"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"},
             {"name": "transfer", "containerPort": TRANSFER_PORT, "protocol": "TCP"},
+            {"name": "admin", "containerPort": ADMIN_PORT, "protocol": "TCP"},
         ],
         "resources": dict(r.resources),
         # /ready: the model is loaded (and, for a prefill, a decode is linked).
@@ -132,6 +133,7 @@ def worker_pod_spec(role: str, spec: ClusterSpec, pod_security_context: Mapping[
         # Draining happens before deletion; the grace period only covers preStop and shutdown.
         "terminationGracePeriodSeconds": PRESTOP_SLEEP_S + 30,
         "enableServiceLinks": False,
+        "automountServiceAccountToken": False,  # a worker never calls the Kubernetes API
     }
     optional = {"nodeSelector": dict(r.node_selector), "tolerations": [dict(t) for t in r.tolerations],
                 "affinity": dict(r.affinity), "priorityClassName": r.priority_class_name,

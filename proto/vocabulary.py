@@ -48,6 +48,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")  # "auto": float32 on a CPU,
 HTTP_PORT = 8000  # the OpenAI API, /health, /ready, /metrics
 GRPC_PORT = 7777  # DisaggPDService
 TRANSFER_PORT = 26000  # the KV data path
+ADMIN_PORT = 8100  # /drain and xLLM's HTTP link routes: state changes, kept off the client port
 MAX_PORT = 65535
 MAX_KV_CONNECTIONS = 64  # TCP connections a decode may open per link
 

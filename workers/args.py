@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+from collections.abc import Mapping
 from typing import Any
 
 from disagg.proto.vocabulary import DEVICES, DTYPES, TRANSFER_MODES, TRANSPORTS
 from disagg.workers.config import Role, ServerConfig, TransferMode, Transport
 from disagg.workers.engine.config import EngineConfig
 from disagg.workers.security.key import KEY_FILE_ENV, ClusterKey, default_key_file
+
+API_KEY_ENV = "DISAGG_API_KEY"  # a key in the environment stays out of `ps`
 
 
 def _default(cls: type, name: str) -> Any:
@@ -36,8 +40,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                       help="DisaggPDService (default %(default)s)")
     role.add_argument("--transfer-port", type=int, default=_default(s, "transfer_port"),
                       help="KV data path (default %(default)s)")
+    role.add_argument("--admin-port", type=int, default=_default(s, "admin_port"),
+                      help="/drain and xLLM's HTTP link routes, kept off the OpenAI port (default %(default)s)")
     role.add_argument("--served-model-name", default=_default(s, "served_model_name"),
                       help="the model name clients send (default: the --model source)")
+    client = p.add_argument_group("client API")
+    client.add_argument("--api-key", default=None,
+                        help=f"clients send it as 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}, else none)")
+    client.add_argument("--max-queued-requests", type=int, default=_default(s, "max_queued_requests"),
+                        help="client requests held beyond --max-num-seqs before answering 429 (default: 4 x --max-num-seqs)")
     kv = p.add_argument_group("KV transfer (prefill and decode roles)")
     kv.add_argument("--kv-transfer-mode", choices=TRANSFER_MODES,
                     default=_default(s, "kv_transfer_mode").value, help="default %(default)s")
@@ -91,8 +102,9 @@ def cluster_key(args: argparse.Namespace) -> ClusterKey | None:
     return ClusterKey.from_file(args.cluster_key_file)
 
 
-def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
-    """The two configs of `disagg serve`; ValueError names what is wrong."""
+def build_configs(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> tuple[EngineConfig, ServerConfig]:
+    """The two configs of `disagg serve` (`env`: os.environ by default); ValueError names what is wrong."""
+    env = os.environ if env is None else env
     engine = EngineConfig(
         model=args.model,
         device=args.device,
@@ -111,6 +123,9 @@ def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]
         http_port=args.http_port,
         grpc_port=args.grpc_port,
         transfer_port=args.transfer_port,
+        admin_port=args.admin_port,
+        api_key=args.api_key if args.api_key is not None else env.get(API_KEY_ENV),
+        max_queued_requests=args.max_queued_requests,
         served_model_name=args.served_model_name,
         kv_transfer_mode=TransferMode(args.kv_transfer_mode),
         kv_transport=Transport(args.kv_transport),

@@ -10,10 +10,11 @@ from __future__ import annotations
 import ipaddress
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from disagg.proto.vocabulary import (
+    ADMIN_PORT,
     GRPC_PORT,
     HTTP_PORT,
     MAX_KV_CONNECTIONS,
@@ -46,6 +47,7 @@ class ServerConfig:
     http_port: int = HTTP_PORT
     grpc_port: int = GRPC_PORT
     transfer_port: int = TRANSFER_PORT
+    admin_port: int = ADMIN_PORT  # /drain and xLLM's HTTP link routes: state changes, kept off the client port
     served_model_name: str | None = None  # None: the --model source
     kv_transfer_mode: TransferMode = TransferMode.PUSH
     kv_transport: Transport = Transport.TCP
@@ -64,17 +66,21 @@ class ServerConfig:
     allow_anonymous_peers: bool = False
     # torch's intra-op threads. None: default_threads().
     threads: int | None = None
+    # Clients of the OpenAI API send it as `Authorization: Bearer`; None: open.
+    api_key: str | None = field(default=None, repr=False)
+    # Client requests held beyond the engine's max_num_seqs before a 429; None: 4 x max_num_seqs.
+    max_queued_requests: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("http_port", "grpc_port", "transfer_port"):
+        for name in ("http_port", "grpc_port", "transfer_port", "admin_port"):
             port = getattr(self, name)
             if not 1 <= port <= MAX_PORT:
                 raise ValueError(f"{name} must be between 1 and {MAX_PORT}, got {port}")
-        ports = {self.http_port, self.grpc_port, self.transfer_port}
-        if len(ports) != 3:
+        ports = {self.http_port, self.grpc_port, self.transfer_port, self.admin_port}
+        if len(ports) != 4:
             raise ValueError(
-                f"http_port, grpc_port and transfer_port must differ, got "
-                f"{self.http_port}, {self.grpc_port}, {self.transfer_port}"
+                f"http_port, grpc_port, transfer_port and admin_port must differ, got "
+                f"{self.http_port}, {self.grpc_port}, {self.transfer_port}, {self.admin_port}"
             )
         if not self.host:
             raise ValueError("host must not be empty")
@@ -89,6 +95,10 @@ class ServerConfig:
                 f"a {self.role.value} worker needs the cluster key: --cluster-key-file PATH (or the environment "
                 "variable DISAGG_CLUSTER_KEY_FILE); --insecure runs without authentication, for a trusted network only"
             )
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key must not be blank")
+        if self.max_queued_requests is not None and self.max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
         if self.kv_connections is not None and not 1 <= self.kv_connections <= MAX_KV_CONNECTIONS:
             raise ValueError(f"kv_connections must be between 1 and {MAX_KV_CONNECTIONS}, got {self.kv_connections}")
         if self.threads is not None and self.threads < 1:

@@ -45,6 +45,7 @@ class WorkerProcess:
     http_port: int
     grpc_port: int
     transfer_port: int
+    admin_port: int
     log_path: Path
     process: subprocess.Popen[bytes] = field(repr=False)
     key_file: Path | None = None  # its --cluster-key-file; None: --insecure
@@ -56,6 +57,11 @@ class WorkerProcess:
     @property
     def base_url(self) -> str:
         return f"http://{self.host}:{self.http_port}"
+
+    @property
+    def admin_url(self) -> str:
+        """/drain and the HTTP link routes."""
+        return f"http://{self.host}:{self.admin_port}"
 
     @property
     def instance_name(self) -> str:
@@ -125,19 +131,19 @@ def spawn_worker(role: str, model: str, log_path: Path, extra: Sequence[str] = (
     `threads`: its --threads; give workers that run at the same time their
     share of the CPUs (`default_threads(workers=N)`). None: the worker's default.
     """
-    ports = [free_port(host) for _ in range(3)]
+    ports = [free_port(host) for _ in range(4)]
     auth = [] if role == "mixed" else ["--insecure"] if key_file is None else ["--cluster-key-file", str(key_file)]
     cmd = [
         sys.executable, "-m", "disagg.workers", "serve", "--role", role, "--model", model, "--host", host,
-        "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--transfer-port", str(ports[2]), *auth,
-        *([] if threads is None else ["--threads", str(threads)]), *extra,
+        "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--transfer-port", str(ports[2]),
+        "--admin-port", str(ports[3]), *auth, *([] if threads is None else ["--threads", str(threads)]), *extra,
     ]  # fmt: skip
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("ab") as log:
         process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                    env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})),
                                    process_group=0)  # fmt: skip
-    return WorkerProcess(role, host, ports[0], ports[1], ports[2], log_path, process, key_file)
+    return WorkerProcess(role, host, ports[0], ports[1], ports[2], ports[3], log_path, process, key_file)
 
 
 def link(decode: WorkerProcess, prefill: WorkerProcess, timeout_s: float = 15.0) -> str | None:

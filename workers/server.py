@@ -29,8 +29,9 @@ from fastapi import FastAPI
 from disagg.workers.config import Role, ServerConfig
 from disagg.workers.engine.config import EngineConfig
 from disagg.workers.heap import freeze_startup_heap
-from disagg.workers.http.app import AppState, build_app
+from disagg.workers.http.app import AppState, build_admin_app, build_app
 from disagg.workers.http.backend import Backend, Health
+from disagg.workers.http.edge import Admission, max_in_flight
 from disagg.workers.metrics import WorkerMetrics
 
 if TYPE_CHECKING:
@@ -154,9 +155,10 @@ def run(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     return asyncio.run(serve(engine_config, server_config, ROLES[server_config.role]))
 
 
-def _build_http_app(state: AppState, config: ServerConfig, spec: RoleSpec, worker: Callable[[], Worker | None]) -> FastAPI:
-    """The role's HTTP app, as its spec says."""
-    app = build_app(state, client_api=spec.serves_completions)
+def _build_admin_app(state: AppState, config: ServerConfig, spec: RoleSpec,
+                     worker: Callable[[], Worker | None]) -> FastAPI:  # fmt: skip
+    """The admin port's app: drain, and xLLM's HTTP link calls where the role takes them."""
+    app = build_admin_app(state)
     if spec.link_routes:
         from disagg.workers.pd.service import add_link_routes
         from disagg.workers.security.control import ControlGuard
@@ -170,25 +172,36 @@ def _build_http_app(state: AppState, config: ServerConfig, spec: RoleSpec, worke
     return app
 
 
+def _uvicorn(app: FastAPI, host: str, port: int, graceful_shutdown_s: float) -> _UvicornServer:
+    return _UvicornServer(uvicorn.Config(app, host=host, port=port, lifespan="off", log_level="info",
+                                         access_log=False, timeout_graceful_shutdown=int(graceful_shutdown_s)))
+
+
 async def serve(engine_config: EngineConfig, server_config: ServerConfig, spec: RoleSpec) -> int:
+    """The admin server runs for the whole life of the worker (a drain is watched to its end)."""
     metrics = WorkerMetrics(server_config.role.value)
-    state = AppState(metrics)
+    limit = max_in_flight(engine_config.max_num_seqs, server_config.max_queued_requests)
+    state = AppState(metrics, Admission(limit))
     state.insecure = server_config.insecure
     if server_config.insecure:
         log.warning("INSECURE: no cluster key (--insecure): anyone who reaches the gRPC, HTTP and transfer ports "
                     "can link, send requests and read or write KV blocks")
     started: list[Worker] = []  # the worker, once started: the link routes serve it from then on
-    http = _UvicornServer(
-        uvicorn.Config(
-            _build_http_app(state, server_config, spec, lambda: started[0] if started else None),
-            host=server_config.host,
-            port=server_config.http_port,
-            lifespan="off",
-            log_level="info",
-            access_log=False,
-            timeout_graceful_shutdown=int(server_config.graceful_shutdown_s),
-        )
-    )
+    admin = _uvicorn(_build_admin_app(state, server_config, spec, lambda: started[0] if started else None),
+                     server_config.host, server_config.admin_port, graceful_shutdown_s=1.0)  # fmt: skip
+    admin_task = asyncio.create_task(admin.serve(), name="admin")
+    try:
+        return await _serve_clients(engine_config, server_config, spec, state, started)
+    finally:
+        admin.should_exit = True
+        await admin_task
+
+
+async def _serve_clients(engine_config: EngineConfig, server_config: ServerConfig, spec: RoleSpec,
+                         state: AppState, started: list[Worker]) -> int:  # fmt: skip
+    metrics = state.metrics
+    app = build_app(state, client_api=spec.serves_completions, api_key=server_config.api_key)
+    http = _uvicorn(app, server_config.host, server_config.http_port, server_config.graceful_shutdown_s)
     _install_signal_handlers(http)
     http_task = asyncio.create_task(http.serve(), name="http")
     load_task = _in_daemon_thread(spec.build, engine_config, server_config, metrics)
@@ -217,9 +230,9 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig, spec: 
         started.append(worker)
         state.attach(worker.health, worker.backend)
         frozen = freeze_startup_heap()
-        log.info("serving %s as %s on http://%s:%d (%d start-up objects frozen out of the garbage collector's reach)",
-                 worker.health.model.name, server_config.role.value, server_config.host, server_config.http_port,
-                 frozen)  # fmt: skip
+        log.info("serving %s as %s on http://%s:%d, admin on port %d (%d start-up objects frozen out of the "
+                 "garbage collector's reach)", worker.health.model.name, server_config.role.value, server_config.host,
+                 server_config.http_port, server_config.admin_port, frozen)  # fmt: skip
         await http_task
         # HTTP has finished its requests; a decode's requests come over gRPC: let them finish too.
         await _finish_in_flight(worker.health, server_config.graceful_shutdown_s, http)

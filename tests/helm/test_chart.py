@@ -60,8 +60,9 @@ def test_every_values_file_renders_every_object_with_the_standard_labels(helm: H
 def test_defaults_render_the_operator_and_nothing_optional(helm: Helm) -> None:
     objects = helm.template()
     kinds = sorted(o["kind"] for o in objects)
-    assert kinds == sorted(["Deployment", "ServiceAccount", "ClusterRole", "ClusterRole", "ClusterRoleBinding",
-                            "ClusterRoleBinding", "Service", "PodDisruptionBudget"])
+    # Least privilege by default: a Role in the release namespace, the workers' NetworkPolicy there.
+    assert kinds == sorted(["Deployment", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding",
+                            "Service", "PodDisruptionBudget", "NetworkPolicy"])
     deployment = objects.one("Deployment")
     assert deployment["spec"]["strategy"] == {"type": "Recreate"}
     assert deployment["spec"]["replicas"] == 1
@@ -100,7 +101,7 @@ def test_probes_and_ports_match_the_operator(helm: Helm) -> None:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args(container["args"])  # the operator's own parser accepts the chart's arguments
-    assert args.liveness_port == 9091 and args.standalone and args.namespace == []
+    assert args.liveness_port == 9091 and args.standalone and args.namespace == ["disagg-system"]
     assert OperatorSettings.from_env(env_of(container)).metrics_port == 9090
 
 
@@ -189,8 +190,9 @@ def test_network_policy_keeps_grpc_and_transfer_inside_the_namespace(helm: Helm)
     pod = m.worker_pod({"apiVersion": "disagg.dev/v1alpha1", "kind": "DisaggCluster",
                         "metadata": {"name": "c", "uid": "u"}}, "decode", "c-decode-0", parse_spec({"model": {"source": "m"}}))
     worker_ports = {p["name"] for p in pod["spec"]["containers"][0]["ports"]}
-    assert {p["port"] for p in grpc["ports"]} == {"grpc", "transfer"} and {p["port"] for p in http["ports"]} == {"http"}
-    assert {"grpc", "transfer", "http"} <= worker_ports
+    assert {p["port"] for p in grpc["ports"]} == {"grpc", "transfer", "admin"}
+    assert {p["port"] for p in http["ports"]} == {"http"}
+    assert {"grpc", "transfer", "admin", "http"} <= worker_ports
     peers = grpc["from"]
     assert peers[0] == {"podSelector": {"matchExpressions": [{"key": m.CLUSTER_LABEL, "operator": "Exists"}]}}
     assert peers[1]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "operator"
@@ -202,6 +204,28 @@ def test_network_policy_defaults_to_the_release_namespace_and_open_http(helm: He
     (policy,) = helm.template("--set", "workerPods.networkPolicy.enabled=true").find("NetworkPolicy")
     assert policy["metadata"]["namespace"] == "disagg-system"
     assert "from" not in policy["spec"]["ingress"][1]
+
+
+def test_network_policy_is_on_by_default_and_can_be_turned_off(helm: Helm) -> None:
+    (policy,) = helm.template().find("NetworkPolicy")
+    assert policy["metadata"]["namespace"] == "disagg-system"
+    closed, open_ = policy["spec"]["ingress"]
+    assert {p["port"] for p in closed["ports"]} == {"grpc", "transfer", "admin"} and "from" in closed
+    assert {p["port"] for p in open_["ports"]} == {"http"} and "from" not in open_, "clients reach the OpenAI API"
+    assert not helm.template("--set", "workerPods.networkPolicy.enabled=false").find("NetworkPolicy")
+
+
+def test_default_rbac_creates_pods_only_in_the_release_namespace(helm: Helm) -> None:
+    objects = helm.template()
+    (role,) = objects.find("Role")
+    assert role["metadata"]["namespace"] == "disagg-system" and ("", "pods", "create") in _rules(role)
+    assert objects.one("RoleBinding")["metadata"]["namespace"] == "disagg-system"
+    for cluster_role in objects.find("ClusterRole"):
+        assert not {r for _, r, _ in _rules(cluster_role)} & {"pods", "services"}, cluster_role["metadata"]["name"]
+    assert [a for a in operator_container(objects)["args"] if a.startswith("--namespace")] == [
+        "--namespace=disagg-system"]
+    wide = helm.template("--set", "operator.watchAllNamespaces=true")
+    assert ("", "pods", "create") in _rules(wide.one("ClusterRole", "disagg-workloads")) and not wide.find("Role")
 
 
 # ---- the CRD --------------------------------------------------------------------------
@@ -263,6 +287,8 @@ def test_schema_rejects_bad_values_with_a_clear_message(helm: Helm, args: list[s
     (["--set", "podDisruptionBudget.minAvailable=1"], "ERROR: podDisruptionBudget.minAvailable must be below"),
     (["--set", "podDisruptionBudget.minAvailable=0", "--set", "podDisruptionBudget.maxUnavailable=1"],
      "ERROR: set podDisruptionBudget.minAvailable or podDisruptionBudget.maxUnavailable, not both"),
+    (["--set", "operator.watchAllNamespaces=true", "--set", "operator.watchNamespaces[0]=a"],
+     "ERROR: set operator.watchNamespaces or operator.watchAllNamespaces=true, not both"),
 ])
 def test_bad_combinations_fail_loudly(helm: Helm, args: list[str], message: str) -> None:
     with pytest.raises(RuntimeError, match="exited with") as err:

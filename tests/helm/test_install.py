@@ -127,10 +127,12 @@ class Installed:
 
 @pytest.fixture(scope="module")
 def installed(helm: Helm, cluster: LocalCluster, kube: Kube, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
-    """`helm install` with the default values into a fresh namespace."""
+    """`helm install` into a fresh namespace, with the default values but watching every namespace."""
     release_ns = f"disagg-{uuid.uuid4().hex[:6]}"
     create_namespace(kube, release_ns)
-    helm("install", RELEASE, str(CHART), "--namespace", release_ns, kubeconfig=cluster.admin_kubeconfig)
+    # Every namespace: the tests make their clusters in namespaces of their own.
+    helm("install", RELEASE, str(CHART), "--namespace", release_ns, "--set", "operator.watchAllNamespaces=true",
+         kubeconfig=cluster.admin_kubeconfig)
     wait_until(lambda: _established(kube, CRD_NAME) or None, 30, "the DisaggCluster CRD from crds/")
     token = kube.post(f"/api/v1/namespaces/{release_ns}/serviceaccounts/{RELEASE}/token",
                       {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",

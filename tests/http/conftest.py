@@ -48,10 +48,11 @@ class ServedWorker:
         return self.process.log()
 
 
-def start_worker(model: str, log_path: Path, *extra: str, served_model_name: str = MODEL_NAME) -> ServedWorker:
+def start_worker(model: str, log_path: Path, *extra: str, served_model_name: str = MODEL_NAME,
+                 env: dict[str, str] | None = None) -> ServedWorker:  # fmt: skip
     """Start `disagg serve --role mixed` on free loopback ports; wait until it has loaded (= ready, for mixed)."""
     process = spawn_worker("mixed", model, log_path, ["--device", "cpu", "--served-model-name", served_model_name,
-                                                      *extra], env={"OMP_NUM_THREADS": "1"})  # fmt: skip
+                                                      *extra], env={"OMP_NUM_THREADS": "1", **(env or {})})  # fmt: skip
     worker = ServedWorker(process, served_model_name)
     try:
         process.wait_loaded(STARTUP_TIMEOUT_S)
@@ -67,9 +68,10 @@ def stop_worker(worker: ServedWorker) -> int:
 
 
 @contextlib.contextmanager
-def running_worker(model: str, log_path: Path, *extra: str, served_model_name: str = MODEL_NAME) -> Iterator[ServedWorker]:
+def running_worker(model: str, log_path: Path, *extra: str, served_model_name: str = MODEL_NAME,
+                   env: dict[str, str] | None = None) -> Iterator[ServedWorker]:  # fmt: skip
     """A worker for the duration of the block; it must exit 0 on SIGTERM."""
-    worker = start_worker(model, log_path, *extra, served_model_name=served_model_name)
+    worker = start_worker(model, log_path, *extra, served_model_name=served_model_name, env=env)
     try:
         yield worker
     finally:

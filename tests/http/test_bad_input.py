@@ -14,6 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
+from disagg.testing.tiny_model import VOCAB_SIZE
+
 LONG_TEXT = "Hello world! How are you today? " * 200  # far past the 512-token context
 SETTLE_TIMEOUT_S = 30.0
 
@@ -61,6 +63,25 @@ BAD_INPUTS = [
     ("top-logprobs-without-logprobs", CHAT, json.dumps(_chat(top_logprobs=2)), "logprobs"),
     ("wrong-type", COMPLETIONS, json.dumps(_completion(max_tokens="many")), "max_tokens"),
     ("prompt-batch", COMPLETIONS, json.dumps(_completion(prompt=["a", "b"])), "one prompt"),
+    # Hostile input (issue 15): each was a 5xx, an aborted batch, or accepted.
+    ("lone-surrogate", COMPLETIONS, json.dumps(_completion(prompt="Hi \ud800 there")), "JSON"),
+    ("lone-surrogate-chat", CHAT, json.dumps(_chat(messages=[{"role": "user", "content": "\ud800"}])), "JSON"),
+    ("top-k-2-pow-63", COMPLETIONS, json.dumps(_completion(top_k=2**63, temperature=1)), "top_k"),
+    ("top-k-past-vocab", CHAT, json.dumps(_chat(top_k=VOCAB_SIZE + 1)), "top_k"),
+    ("stop-token-negative", COMPLETIONS, json.dumps(_completion(stop_token_ids=[-1])), "stop_token_ids"),
+    ("stop-token-past-vocab", COMPLETIONS, json.dumps(_completion(stop_token_ids=[VOCAB_SIZE])), "stop_token_ids"),
+    ("stop-token-2-pow-31", CHAT, json.dumps(_chat(stop_token_ids=[2**31])), "stop_token_ids"),
+    ("seed-past-int64", COMPLETIONS, json.dumps(_completion(seed=2**70)), "seed"),
+    ("token-id-true", COMPLETIONS, json.dumps(_completion(prompt=[5, True])), "prompt"),
+    ("stream-yes", COMPLETIONS, json.dumps(_completion(stream="yes")), "stream"),
+    ("stream-yes-chat", CHAT, json.dumps(_chat(stream="yes")), "stream"),
+    ("null-content", CHAT, json.dumps(_chat(messages=[{"role": "user", "content": None}])), "null"),
+    ("missing-content", CHAT, json.dumps(_chat(messages=[{"role": "user"}])), "null"),
+    ("unknown-role", CHAT, json.dumps(_chat(messages=[{"role": "wizard", "content": "hi"}])), "wizard"),
+    ("assistant-tool-calls", CHAT, json.dumps(_chat(messages=[
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function"}]},
+    ])), "tool calls"),
 ]
 
 

@@ -3,6 +3,7 @@ machine (KV connections, compute threads, OpenMP waiting); metric names; the fro
 
 from __future__ import annotations
 
+import argparse
 import gc
 import os
 import re
@@ -17,6 +18,7 @@ import httpx
 import pytest
 
 from disagg.workers import cli
+from disagg.workers.args import add_serve_arguments, build_configs
 from disagg.workers.config import default_kv_connections, default_threads, usable_cpus
 from disagg.workers.demo import running_pair
 from disagg.workers.heap import freeze_startup_heap
@@ -42,6 +44,24 @@ def test_invalid_settings_fail_before_loading() -> None:
     result = _run("--role", "mixed", "--model", "x", "--threads", "0")
     assert result.returncode == 2
     assert "threads must be at least 1" in result.stderr
+    result = _run("--role", "mixed", "--model", "x", "--admin-port", "8000")
+    assert result.returncode == 2 and "admin_port must differ" in result.stderr
+    result = _run("--role", "mixed", "--model", "x", "--max-queued-requests", "-1")
+    assert result.returncode == 2 and "max_queued_requests must be >= 0" in result.stderr
+
+
+def test_the_api_key_comes_from_the_flag_or_the_environment() -> None:
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    base = ["--role", "mixed", "--model", "x"]
+    _, server = build_configs(parser.parse_args(base), env={"DISAGG_API_KEY": "from-env"})
+    assert server.api_key == "from-env" and "from-env" not in repr(server), "the key stays out of logs"
+    _, server = build_configs(parser.parse_args([*base, "--api-key", "from-flag"]), env={"DISAGG_API_KEY": "from-env"})
+    assert server.api_key == "from-flag"
+    _, server = build_configs(parser.parse_args(base), env={})
+    assert server.api_key is None
+    with pytest.raises(ValueError, match="api_key must not be blank"):
+        build_configs(parser.parse_args([*base, "--api-key", " "]), env={})
 
 
 @pytest.mark.parametrize(("cpu_max", "expected"), [
@@ -72,9 +92,10 @@ def test_unknown_role_is_an_argparse_error() -> None:
 
 @pytest.mark.parametrize("role", ["mixed", "prefill", "decode"])
 def test_missing_model_fails_at_start_with_a_reason(tmp_path: Path, role: str) -> None:
-    ports = [str(free_port()) for _ in range(3)]
+    ports = [str(free_port()) for _ in range(4)]
     result = _run("--role", role, "--model", str(tmp_path / "missing"), "--host", "127.0.0.1", "--device", "cpu",
-                  "--http-port", ports[0], "--grpc-port", ports[1], "--transfer-port", ports[2])  # fmt: skip
+                  "--http-port", ports[0], "--grpc-port", ports[1], "--transfer-port", ports[2],
+                  "--admin-port", ports[3])  # fmt: skip
     assert result.returncode == 1
     assert "does not exist" in result.stderr
 

@@ -20,10 +20,18 @@ def test_pod_runs_disagg_serve_with_the_engine_args(spec: ClusterSpec, owner: Ca
     assert args[args.index("--host") + 1] == "$(POD_IP)"
     assert "--num-kv-blocks" not in args
     assert "--kv-connections" not in args, "unset: the worker picks a count for its CPUs"
-    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"http": 8000, "grpc": 7777, "transfer": 26000}
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {"http": 8000, "grpc": 7777, "transfer": 26000, "admin": 8100}
     assert c["env"][0] == {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
     assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
     assert c["lifecycle"]["preStop"]["sleep"]["seconds"] > 0
+
+
+def test_workers_mount_no_token_and_the_admin_port_is_the_worker_default(spec: ClusterSpec) -> None:
+    from disagg.workers.config import ServerConfig
+
+    assert m.ADMIN_PORT == ServerConfig.__dataclass_fields__["admin_port"].default, "the pod args do not pass it"
+    assert m.worker_pod_spec("decode", spec)["automountServiceAccountToken"] is False
 
 
 def test_kv_connections_reach_the_worker_args(owner: Callable[..., Any]) -> None:

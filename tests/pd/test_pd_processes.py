@@ -167,10 +167,10 @@ def test_the_http_link_form_links_and_unlinks(cluster: Cluster) -> None:
     def signed() -> dict[str, str]:
         return http_credential_headers(cluster.d2.cluster_key, path)
 
-    r = httpx.post(f"{cluster.d2.base_url}{path}", json=body, headers=signed(), timeout=30.0)
+    r = httpx.post(f"{cluster.d2.admin_url}{path}", json=body, headers=signed(), timeout=30.0)
     assert r.status_code == 200 and r.json() == {"ok": True}, "linking again is a no-op"
     assert cluster.d2.metric("disagg_links") == before
-    bad = httpx.post(f"{cluster.d2.base_url}{path}", json={"addrs": []}, headers=signed(), timeout=30.0)
+    bad = httpx.post(f"{cluster.d2.admin_url}{path}", json={"addrs": []}, headers=signed(), timeout=30.0)
     assert bad.status_code == 400 and "instance_name" in bad.json()["error"]["message"]
 
 
@@ -179,7 +179,7 @@ def test_the_http_link_form_links_and_unlinks(cluster: Cluster) -> None:
 
 def test_draining_a_decode_sends_new_requests_to_the_other(cluster: Cluster) -> None:
     d1, d2 = cluster.decodes
-    r = httpx.post(f"{d2.base_url}/drain", timeout=10.0)
+    r = httpx.post(f"{d2.admin_url}/drain", timeout=10.0)
     try:
         assert r.status_code == 200 and r.json()["draining"] is True
         assert d2.metric("disagg_draining") == 1
@@ -189,7 +189,7 @@ def test_draining_a_decode_sends_new_requests_to_the_other(cluster: Cluster) -> 
             assert complete(cluster.push, prompt_of(n, salt=3)) == complete(cluster.mixed, prompt_of(n, salt=3))
         assert d2.metric("disagg_kv_transfer_bytes_total", direction="received") == received, "d2 took no request"
     finally:
-        r = httpx.delete(f"{d2.base_url}/drain", timeout=10.0)
+        r = httpx.delete(f"{d2.admin_url}/drain", timeout=10.0)
     assert r.json() == {"draining": False, "in_flight": 0}
     assert d2.metric("disagg_draining") == 0 and _ready(d2) == 200
 
@@ -199,7 +199,7 @@ def test_a_draining_prefill_is_not_ready_and_finishes_what_it_has(cluster: Clust
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         running = pool.submit(complete, prefill, prompt_of(9), 200, True)
         processes.wait_until(lambda: prefill.metric("disagg_requests_running") >= 1, "the request runs")
-        status = httpx.post(f"{prefill.base_url}/drain", timeout=10.0).json()
+        status = httpx.post(f"{prefill.admin_url}/drain", timeout=10.0).json()
         try:
             assert status["draining"] is True and status["in_flight"] >= 1
             assert _ready(prefill) == 503
@@ -207,10 +207,10 @@ def test_a_draining_prefill_is_not_ready_and_finishes_what_it_has(cluster: Clust
                 complete(prefill, prompt_of(5))
             assert info.value.status_code == 503 and "draining" in str(info.value)
             assert len(running.result(timeout=120)) == 200, "the request in flight finished"
-            processes.wait_until(lambda: httpx.get(f"{prefill.base_url}/drain").json()["in_flight"] == 0,
+            processes.wait_until(lambda: httpx.get(f"{prefill.admin_url}/drain").json()["in_flight"] == 0,
                                  "nothing is in flight")  # fmt: skip
         finally:
-            httpx.delete(f"{prefill.base_url}/drain", timeout=10.0)
+            httpx.delete(f"{prefill.admin_url}/drain", timeout=10.0)
     assert _ready(prefill) == 200
 
 
@@ -281,7 +281,7 @@ def test_a_killed_decode_fails_its_requests_and_the_prefill_serves_on(cluster: C
     [victim] = processes.start(("decode",))
     assert link(victim, prefill) is None
     for d in cluster.decodes:  # only the victim takes new requests
-        httpx.post(f"{d.base_url}/drain", timeout=10.0)
+        httpx.post(f"{d.admin_url}/drain", timeout=10.0)
     try:
         start = free_blocks(prefill)
         stream = long_stream(prefill)
@@ -290,7 +290,7 @@ def test_a_killed_decode_fails_its_requests_and_the_prefill_serves_on(cluster: C
         processes.wait_until(lambda: free_blocks(prefill) == start, "the prefill's blocks are free")
     finally:
         for d in cluster.decodes:
-            httpx.delete(f"{d.base_url}/drain", timeout=10.0)
+            httpx.delete(f"{d.admin_url}/drain", timeout=10.0)
     assert complete(prefill, prompt_of(7)) == complete(cluster.mixed, prompt_of(7)), "survivors serve"
 
 

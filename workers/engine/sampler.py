@@ -50,7 +50,8 @@ class SamplingMetadata:
         def column(values: Sequence[float], dtype: torch.dtype = torch.float32) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=device)
 
-        top_ks = [p.top_k if p.top_k > 0 else vocab_size for p in params]
+        # A cut beyond the vocabulary keeps everything: clamped, it never overflows the tensor.
+        top_ks = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]
         presence = frequency = repetition = output_counts = seen = None
         if any(p.has_penalties for p in params):
             presence = column([p.presence_penalty for p in params]).unsqueeze(1)

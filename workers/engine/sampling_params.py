@@ -8,6 +8,9 @@ from dataclasses import dataclass
 
 MAX_N = 16
 MAX_LOGPROBS = 20
+# Token ids and top_k travel as int32 (xLLM's protobuf) and index int64 tensors.
+MAX_TOKEN_ID = 2**31 - 1
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
 
 
 @dataclass(frozen=True)
@@ -61,8 +64,13 @@ class SamplingParams:
             out.append("top_p must be greater than 0")
         if self.repetition_penalty == 0.0:
             out.append("repetition_penalty must be greater than 0")
-        if self.top_k < -1:
-            out.append(f"top_k must be -1, 0 or positive, got {self.top_k}")
+        if not -1 <= self.top_k <= MAX_TOKEN_ID:
+            out.append(f"top_k must be -1, 0 or a positive count up to {MAX_TOKEN_ID}, got {self.top_k}")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            out.append(f"seed must be between {SEED_RANGE[0]} and {SEED_RANGE[1]}, got {self.seed}")
+        bad_stops = [t for t in self.stop_token_ids if not 0 <= t <= MAX_TOKEN_ID]
+        if bad_stops:
+            out.append(f"stop_token_ids must be token ids in [0, {MAX_TOKEN_ID}], got {bad_stops[:5]}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             out.append(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
         return out

@@ -1,41 +1,55 @@
-"""The worker's HTTP app: the OpenAI API, health, readiness, metrics and drain.
+"""The worker's HTTP apps: the client app (the OpenAI API, health, readiness,
+metrics) on the client port, and the admin app (drain, and the role's link
+routes) on the admin port, so that no client can change a worker's state.
 
-The app starts before the model has loaded (so /health answers at once) and
-serves requests once the role is attached with `AppState.attach`: its
+The apps start before the model has loaded (so /health answers at once) and
+serve requests once the role is attached with `AppState.attach`: its
 `Health` (readiness, drain, load) and, if it takes client requests, its
 completion `Backend`.
 
-Drain (for scale-down): `POST /drain` makes the worker take no new work (new
-client requests and /ready answer 503; a decode answers AddNewRequests with
-404) while its requests in flight finish; `DELETE /drain` undoes it; `GET
-/drain` reports. Each answers `{"draining": bool, "in_flight": int}`, where
-in_flight = disagg_requests_running + disagg_requests_waiting.
+Drain (for scale-down), on the admin port: `POST /drain` makes the worker take
+no new work (new client requests and /ready answer 503; a decode answers
+AddNewRequests with 404) while its requests in flight finish; `DELETE /drain`
+undoes it; `GET /drain` reports. Each answers `{"draining": bool, "in_flight":
+int}`, where in_flight = disagg_requests_running + disagg_requests_waiting.
+
+A completion's body is read with a size bound, then parsed, validated and
+tokenised in a thread: the loop also serves gRPC and every stream, and a large
+body must not stall them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import asyncio
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
 
 from disagg.workers.http.backend import NO_CLIENT_API, Backend, Health
+from disagg.workers.http.edge import Admission, RequestCheck, bearer_check, max_in_flight, read_body
 from disagg.workers.http.errors import APIError, NotReady, install_error_handlers
 from disagg.workers.http.fanout import ClientDisconnected
-from disagg.workers.http.prepare import prepare_chat, prepare_completion
+from disagg.workers.http.prepare import Prepared, prepare_chat, prepare_completion
 from disagg.workers.http.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, random_id
 from disagg.workers.http.serving import Call, OpenAIServing
 from disagg.workers.metrics import CONTENT_TYPE, RequestOutcome, WorkerMetrics
 
 # Answer to a request whose client has gone away (nginx's convention); no one reads it.
 _CLIENT_CLOSED = 499
+DEFAULT_MAX_NUM_SEQS = 64  # EngineConfig's; the server passes the configured admission
 
 
 class AppState:
     """What the routes serve from; the role arrives once the model is loaded."""
 
-    def __init__(self, metrics: WorkerMetrics) -> None:
+    def __init__(self, metrics: WorkerMetrics, admission: Admission | None = None) -> None:
         self.metrics = metrics
+        self.admission = admission or Admission(max_in_flight(DEFAULT_MAX_NUM_SEQS, None))
         self.health: Health | None = None
         self.serving: OpenAIServing | None = None  # a role with a completion backend
         self.not_ready_reason = "the model is loading"
@@ -77,10 +91,12 @@ class AppState:
         return self.serving
 
 
-def build_app(state: AppState, client_api: bool = True) -> FastAPI:
-    """The app; `client_api=False` (a decode) answers the completion routes with a 404 that says where to go."""
+def build_app(state: AppState, client_api: bool = True, api_key: str | None = None) -> FastAPI:
+    """The client app; `client_api=False` (a decode) answers the completion routes
+    with a 404 that says where to go; with `api_key`, /v1 needs it as a bearer token."""
     app = FastAPI(title="disagg worker", docs_url=None, redoc_url=None)
     install_error_handlers(app)
+    auth = [Depends(bearer_check(api_key))] if api_key else []
 
     @app.get("/health")
     async def health() -> dict[str, str | bool]:
@@ -93,11 +109,44 @@ def build_app(state: AppState, client_api: bool = True) -> FastAPI:
         state.require_ready()
         return {"status": "ready"}
 
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        if state.health is not None:
-            state.metrics.set_engine_stats(state.health.stats())
-        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+    _add_metrics_route(app, state)
+
+    @app.get("/v1/models", dependencies=auth)
+    async def models() -> ModelList:
+        model = state.require_ready().model
+        return ModelList(data=[ModelCard(id=model.name, root=model.source, max_model_len=model.max_model_len)])
+
+    if not client_api:
+
+        @app.post("/v1/completions", dependencies=auth)
+        @app.post("/v1/chat/completions", dependencies=auth)
+        async def no_completions() -> Response:
+            raise APIError(NO_CLIENT_API, 404, "not_found_error")
+
+        return app
+
+    @app.post("/v1/completions", dependencies=auth, openapi_extra=_json_body(CompletionRequest))
+    async def completions(request: Request) -> Response:
+        return await _answer(state, CompletionRequest, request)
+
+    @app.post("/v1/chat/completions", dependencies=auth, openapi_extra=_json_body(ChatCompletionRequest))
+    async def chat_completions(request: Request) -> Response:
+        return await _answer(state, ChatCompletionRequest, request)
+
+    _document_bodies(app, [CompletionRequest, ChatCompletionRequest])
+    return app
+
+
+def build_admin_app(state: AppState, check: RequestCheck | None = None) -> FastAPI:
+    """The admin app: drain, metrics (what a drain waits on), and the routes a role adds.
+
+    `check` runs before every route (the hook for a credential check); None: the
+    port is trusted, as reachable only by the cluster (the chart's NetworkPolicy).
+    """
+    app = FastAPI(title="disagg worker admin", docs_url=None, redoc_url=None, openapi_url=None,
+                  dependencies=[Depends(check)] if check else [])  # fmt: skip
+    install_error_handlers(app)
+    _add_metrics_route(app, state)
 
     @app.post("/drain")
     async def start_drain() -> dict[str, bool | int]:
@@ -113,55 +162,95 @@ def build_app(state: AppState, client_api: bool = True) -> FastAPI:
     async def drain_status() -> dict[str, bool | int]:
         return state.drain_status()
 
-    @app.get("/v1/models")
-    async def models() -> ModelList:
-        model = state.require_ready().model
-        return ModelList(data=[ModelCard(id=model.name, root=model.source, max_model_len=model.max_model_len)])
-
-    if not client_api:
-
-        @app.post("/v1/completions")
-        @app.post("/v1/chat/completions")
-        async def no_completions() -> Response:
-            raise APIError(NO_CLIENT_API, 404, "not_found_error")
-
-        return app
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await _answer(state, body, request)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await _answer(state, body, request)
-
     return app
 
 
-async def _answer(state: AppState, body: CompletionRequest | ChatCompletionRequest, request: Request) -> Response:
+def _add_metrics_route(app: FastAPI, state: AppState) -> None:
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        if state.health is not None:
+            state.metrics.set_engine_stats(state.health.stats())
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+
+def _json_body(model: type[BaseModel]) -> dict[str, Any]:
+    """The OpenAPI requestBody of a route that parses `model` itself (off the loop)."""
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+def _document_bodies(app: FastAPI, models: list[type[BaseModel]]) -> None:
+    """Add the bodies the routes parse themselves to the app's OpenAPI document."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            schemas = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in models:
+                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                schemas.update(body.pop("$defs", {}))
+                schemas[model.__name__] = body
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented override
+
+
+async def _answer(state: AppState, kind: type[CompletionRequest | ChatCompletionRequest], request: Request) -> Response:
     serving = state.require_serving()
-    backend = serving.backend
-    is_chat = isinstance(body, ChatCompletionRequest)
+    state.admission.check_room()
+    raw = await read_body(request)
     try:
-        if isinstance(body, ChatCompletionRequest):
-            prepared = prepare_chat(body, backend.model, backend.tokenizer)
-        else:
-            prepared = prepare_completion(body, backend.model, backend.tokenizer)
-    except APIError:
+        body, prepared = await asyncio.to_thread(_parse_and_prepare, kind, raw, serving)
+    except (APIError, RequestValidationError):
         state.metrics.count_request(RequestOutcome.REJECTED)
         raise
+    is_chat = isinstance(body, ChatCompletionRequest)
     call = Call(
-        "chat" if is_chat else "completion", random_id("chatcmpl" if is_chat else "cmpl"), backend.model.name, prepared,
-        body.return_token_ids, include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        "chat" if is_chat else "completion", random_id("chatcmpl" if is_chat else "cmpl"), serving.backend.model.name,
+        prepared, body.return_token_ids, include_usage=bool(body.stream_options and body.stream_options.include_usage),
     )  # fmt: skip
     wait_disconnect = _disconnect_waiter(request)
+    # Each of n choices is a sequence in the engine.
+    state.admission.enter(prepared.params.n)
     if body.stream:
-        return StreamingResponse(serving.stream(call, wait_disconnect), media_type="text/event-stream")
+        return _AdmittedStream(serving.stream(call, wait_disconnect), lambda: state.admission.leave(prepared.params.n))
     try:
         response = await serving.respond(call, wait_disconnect)
     except ClientDisconnected:
         return Response(status_code=_CLIENT_CLOSED)
+    finally:
+        state.admission.leave(prepared.params.n)
     return JSONResponse(response.model_dump())
+
+
+def _parse_and_prepare(
+    kind: type[CompletionRequest | ChatCompletionRequest], raw: bytes, serving: OpenAIServing
+) -> tuple[CompletionRequest | ChatCompletionRequest, Prepared]:
+    """Runs in a thread: JSON parsing and tokenisation of a large body take long."""
+    try:
+        body = kind.model_validate_json(raw)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors(include_url=False)) from None
+    backend = serving.backend
+    if isinstance(body, ChatCompletionRequest):
+        return body, prepare_chat(body, backend.model, backend.tokenizer)
+    return body, prepare_completion(body, backend.model, backend.tokenizer)
+
+
+class _AdmittedStream(StreamingResponse):
+    """A stream that gives its admission slots back when it ends, however it ends
+    (a client gone before the first event included)."""
+
+    def __init__(self, events: AsyncGenerator[str, None], release: Callable[[], None]) -> None:
+        super().__init__(events, media_type="text/event-stream")
+        self._release = release
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
 
 
 def _disconnect_waiter(request: Request) -> Callable[[], Awaitable[None]]:

@@ -19,15 +19,19 @@ log = logging.getLogger(__name__)
 class APIError(Exception):
     """An error to answer with, at the status and OpenAI type it names."""
 
-    def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error", param: str | None = None) -> None:
+    def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error", param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:  # fmt: skip
         super().__init__(message)
         self.message = message
         self.status = status
         self.type = type
         self.param = param
+        self.headers = headers
 
     def response(self) -> JSONResponse:
-        return error_response(self.message, self.status, self.type, self.param)
+        response = error_response(self.message, self.status, self.type, self.param)
+        response.headers.update(self.headers or {})
+        return response
 
 
 class BadRequest(APIError):
@@ -58,6 +62,20 @@ def role_api_error(exc: pd_errors.RequestFailed) -> APIError:
     """The HTTP answer to a role's failure."""
     status, kind = next(ROLE_ERRORS[cls] for cls in type(exc).__mro__ if cls in ROLE_ERRORS)
     return APIError(str(exc), status, kind)
+class Unauthorized(APIError):
+    def __init__(self, message: str) -> None:
+        super().__init__(message, 401, "authentication_error", headers={"WWW-Authenticate": "Bearer"})
+
+
+class BodyTooLarge(APIError):
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"the request body is larger than {limit} bytes", 413, "invalid_request_error")
+
+
+class Overloaded(APIError):
+    def __init__(self, limit: int, retry_after_s: int) -> None:
+        super().__init__(f"the server is at its limit of {limit} requests in flight; retry after {retry_after_s} s",
+                         429, "rate_limit_error", headers={"Retry-After": str(retry_after_s)})  # fmt: skip
 
 
 def error_response(message: str, status: int, type: str, param: str | None = None) -> JSONResponse:
@@ -97,7 +115,9 @@ def install_error_handlers(app: FastAPI) -> None:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         if exc.status_code >= 500:
             kind = "server_error"
-        return error_response(str(exc.detail or HTTPStatus(exc.status_code).phrase), exc.status_code, kind)
+        response = error_response(str(exc.detail or HTTPStatus(exc.status_code).phrase), exc.status_code, kind)
+        response.headers.update(exc.headers or {})
+        return response
 
     async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
         log.exception("request failed", exc_info=exc)

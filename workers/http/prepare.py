@@ -14,7 +14,7 @@ from disagg.workers.engine.sampling_params import SamplingParams
 from disagg.workers.engine.tokenizer import Tokenizer
 from disagg.workers.http.backend import ModelInfo
 from disagg.workers.http.errors import BadRequest, ModelNotFound
-from disagg.workers.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from disagg.workers.http.protocol import CHAT_ROLES, ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ def prepare_chat(req: ChatCompletionRequest, model: ModelInfo, tokenizer: Tokeni
     check_model(req.model, model)
     if not req.messages:
         raise BadRequest("messages must not be empty", "messages")
-    messages = [{"role": m.role, "content": _message_text(m.content)} for m in req.messages]
+    messages = [{"role": m.role, "content": _message_text(m)} for m in req.messages]
     try:
         ids = tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt)
     except TemplateError as exc:
@@ -67,9 +67,16 @@ def prepare_chat(req: ChatCompletionRequest, model: ModelInfo, tokenizer: Tokeni
     return Prepared(ids, _sampling_params(req, max_tokens, logprobs, ids, model))
 
 
-def _message_text(content: str | list[dict[str, Any]] | None) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
+def _message_text(message: ChatMessage) -> str:
+    if message.role not in CHAT_ROLES:
+        raise BadRequest(f"unknown message role {message.role!r}: expected one of {', '.join(CHAT_ROLES)}", "messages")
+    if message.tool_calls:
+        raise BadRequest("tool calls are not supported", "messages")
+    content = message.content
+    if content is None:
+        raise BadRequest(f"a {message.role} message needs content (a string or text parts), got null", "messages")
+    if isinstance(content, str):
+        return content
     texts = []
     for part in content:
         if part.get("type") != "text" or not isinstance(part.get("text"), str):
@@ -78,12 +85,12 @@ def _message_text(content: str | list[dict[str, Any]] | None) -> str:
     return "".join(texts)
 
 
-def _check_token_ids(ids: list[int], model: ModelInfo) -> None:
+def _check_token_ids(ids: list[int] | tuple[int, ...], model: ModelInfo, field: str = "prompt") -> None:
     bad = [i for i in ids if not 0 <= i < model.vocab_size]
     if bad:
         raise BadRequest(
-            f"prompt token ids must be in [0, {model.vocab_size}); got {bad[:5]}" + (" ..." if len(bad) > 5 else ""),
-            "prompt",
+            f"{field} token ids must be in [0, {model.vocab_size}); got {bad[:5]}" + (" ..." if len(bad) > 5 else ""),
+            field,
         )
 
 
@@ -106,6 +113,10 @@ def _sampling_params(
             "max_tokens",
         )
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    _check_token_ids(req.stop_token_ids or (), model, "stop_token_ids")
+    # Beyond the vocabulary a cut keeps every token; refusing it keeps huge values out of the engine.
+    if req.top_k is not None and req.top_k > model.vocab_size:
+        raise BadRequest(f"top_k must be at most the vocabulary size {model.vocab_size}, got {req.top_k}", "top_k")
     optional: dict[str, Any] = {
         "temperature": req.temperature,
         "top_p": req.top_p,

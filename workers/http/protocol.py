@@ -41,14 +41,20 @@ class ErrorResponse(BaseModel):
 # --- requests ---------------------------------------------------------------
 
 
+# Strict: JSON's types as written, so `true` is not a token id and "yes" not a bool.
+_REQUEST = ConfigDict(extra="ignore", strict=True)
+
+
 class StreamOptions(BaseModel):
+    model_config = _REQUEST
+
     include_usage: bool = False
 
 
 class SamplingFields(BaseModel):
     """Fields both endpoints share."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = _REQUEST
 
     model: str
     n: int = 1
@@ -78,13 +84,17 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
 
 
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _REQUEST
 
     role: str
     # OpenAI's content parts: only {"type": "text", "text": ...} carry meaning here.
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # read only to refuse them clearly
 
 
 class ChatCompletionRequest(SamplingFields):

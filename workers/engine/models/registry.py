@@ -8,7 +8,7 @@ that does not only has to satisfy CausalLM.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, ClassVar, Protocol, TypeVar
 
@@ -56,6 +56,10 @@ class CausalLM(Protocol):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] (rows already picked) -> fp32 logits [N, vocab]."""
+        ...
+
+    def parameters(self) -> Iterator[torch.nn.Parameter]:
+        """Its weights (a family is a torch.nn.Module)."""
         ...
 
     def pack_weights(self) -> None:

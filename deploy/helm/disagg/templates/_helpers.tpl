@@ -82,8 +82,19 @@ app.kubernetes.io/part-of: disagg
 {{- end }}
 
 {{/* The namespaces that hold worker pods, as a JSON list (see workerPods.networkPolicy.namespaces). */}}
+{{/*
+The namespaces the operator watches, as JSON: operator.watchNamespaces, else
+the release namespace, or [] (every namespace) with operator.watchAllNamespaces.
+*/}}
+{{- define "disagg.watchNamespaces" -}}
+{{- if .Values.operator.watchNamespaces }}{{ toJson .Values.operator.watchNamespaces }}
+{{- else if .Values.operator.watchAllNamespaces }}[]
+{{- else }}{{ toJson (list .Release.Namespace) }}
+{{- end }}
+{{- end }}
+
 {{- define "disagg.workerNamespaces" -}}
-{{- $ns := .Values.workerPods.networkPolicy.namespaces | default .Values.operator.watchNamespaces | default (list .Release.Namespace) }}
+{{- $ns := .Values.workerPods.networkPolicy.namespaces | default (include "disagg.watchNamespaces" . | fromJsonArray) | default (list .Release.Namespace) }}
 {{- toJson $ns }}
 {{- end }}
 
@@ -93,6 +104,9 @@ Value combinations the schema cannot express. Each one fails the install with
 */}}
 {{- define "disagg.validate" -}}
 {{- $v := .Values }}
+{{- if and $v.operator.watchAllNamespaces $v.operator.watchNamespaces }}
+{{- fail "ERROR: set operator.watchNamespaces or operator.watchAllNamespaces=true, not both" }}
+{{- end }}
 {{- if and (gt (int $v.operator.replicas) 1) (not $v.peering.enabled) }}
 {{- fail "ERROR: operator.replicas > 1 needs peering.enabled=true: without kopf peering two operators would both reconcile every cluster" }}
 {{- end }}

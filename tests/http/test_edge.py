@@ -1,0 +1,145 @@
+"""The client port's edge (issue 15): state changes only on the admin port, the
+API key, the body bound, parsing off the loop, and the admission limit, each on
+a real worker process.
+
+`served` is conftest's ServedWorker (typed Any: conftest is not importable).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import json
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from disagg.workers.http.edge import MAX_BODY_BYTES
+
+API_KEY = "sk-test-edge"
+COMPLETIONS = "/v1/completions"
+
+
+def _completion(**fields: Any) -> dict[str, Any]:
+    return {"model": "tiny-llama", "prompt": "Hello", "max_tokens": 4, "temperature": 0, **fields}
+
+
+def _assert_error(response: httpx.Response, status: int, words: str) -> None:
+    assert response.status_code == status, (response.status_code, response.text)
+    error = response.json()["error"]
+    assert error["code"] == status and words.lower() in error["message"].lower(), error
+
+
+# --- the admin port ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("method", "path"), [
+    ("POST", "/drain"), ("DELETE", "/drain"), ("GET", "/drain"),
+    ("POST", "/xllm.proto.DisaggPDService/LinkInstance"), ("POST", "/xllm.proto.DisaggPDService/UnlinkInstance"),
+])  # fmt: skip
+def test_the_client_port_changes_no_state(served: Any, http: httpx.Client, method: str, path: str) -> None:
+    assert http.request(method, path).status_code in (404, 405)
+    assert http.get("/ready").status_code == 200, "still serving"
+    with httpx.Client(base_url=served.process.admin_url, timeout=10.0) as admin:
+        assert admin.get("/drain").json() == {"draining": False, "in_flight": 0}
+
+
+def test_the_admin_port_drains_and_undrains(served: Any, http: httpx.Client) -> None:
+    with httpx.Client(base_url=served.process.admin_url, timeout=10.0) as admin:
+        try:
+            assert admin.post("/drain").json()["draining"] is True
+            assert http.get("/ready").status_code == 503
+            assert "disagg_draining 1.0" in admin.get("/metrics").text
+        finally:
+            assert admin.delete("/drain").json() == {"draining": False, "in_flight": 0}
+    assert http.get("/ready").status_code == 200
+
+
+# --- the body ---------------------------------------------------------------------
+
+
+def test_an_oversized_body_is_413_before_it_is_read(http: httpx.Client) -> None:
+    big = json.dumps(_completion(prompt="x" * (MAX_BODY_BYTES + 1)))
+    _assert_error(http.post(COMPLETIONS, content=big, headers={"content-type": "application/json"}), 413, "larger")
+
+
+def test_an_oversized_chunked_body_is_413(http: httpx.Client) -> None:
+    chunk = b"x" * (1024 * 1024)
+
+    def body() -> Iterator[bytes]:  # no Content-Length: the server counts as it reads
+        yield b'{"model": "tiny-llama", "prompt": "'
+        for _ in range(MAX_BODY_BYTES // len(chunk) + 1):
+            yield chunk
+        yield b'"}'
+
+    _assert_error(http.post(COMPLETIONS, content=body(), headers={"content-type": "application/json"}), 413, "larger")
+    assert http.post(COMPLETIONS, json=_completion()).status_code == 200
+
+
+def test_a_large_body_does_not_stall_the_loop(served: Any, http: httpx.Client) -> None:
+    """A prompt of megabytes takes seconds to parse and tokenise; /health answers meanwhile."""
+    big = json.dumps(_completion(prompt="Hello world! How are you today? " * 100_000))  # 3.2 MB
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(http.post, COMPLETIONS, content=big, headers={"content-type": "application/json"})
+        latencies = []
+        while not answer.done():
+            began = time.monotonic()
+            assert http.get("/health").status_code == 200
+            latencies.append(time.monotonic() - began)
+            time.sleep(0.05)
+        _assert_error(answer.result(), 400, "context")
+    assert latencies and max(latencies) < 1.0, f"/health waited {max(latencies):.2f} s behind a large body"
+
+
+# --- the API key and the admission limit --------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def guarded(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+            worker_launcher: Callable[..., contextlib.AbstractContextManager[Any]]) -> Iterator[Any]:  # fmt: skip
+    """A worker with an API key (from the environment, as a Secret gives it) that holds
+    at most 2 requests: one running, one queued."""
+    log = tmp_path_factory.mktemp("guarded") / "worker.log"
+    with worker_launcher(str(tiny_model_dir), log, "--max-num-seqs", "1", "--max-queued-requests", "1",
+                         env={"DISAGG_API_KEY": API_KEY}) as worker:  # fmt: skip
+        yield worker
+
+
+@pytest.mark.parametrize("header", [None, "Bearer wrong", f"Basic {API_KEY}", "Bearer"])
+def test_the_client_api_needs_the_key(guarded: Any, header: str | None) -> None:
+    headers = {"authorization": header} if header else {}
+    with httpx.Client(base_url=guarded.base_url, timeout=30.0, headers=headers) as client:
+        _assert_error(client.post(COMPLETIONS, json=_completion()), 401, "API key")
+        _assert_error(client.get("/v1/models"), 401, "API key")
+        assert client.post(COMPLETIONS, json=_completion()).json()["error"]["type"] == "authentication_error"
+        # Probes and scrapes stay open.
+        for path in ("/health", "/ready", "/metrics"):
+            assert client.get(path).status_code == 200, path
+
+
+def test_the_key_lets_a_client_in(guarded: Any) -> None:
+    with httpx.Client(base_url=guarded.base_url, timeout=30.0, headers={"authorization": f"Bearer {API_KEY}"}) as c:
+        assert c.get("/v1/models").json()["data"][0]["id"] == "tiny-llama"
+        assert c.post(COMPLETIONS, json=_completion()).json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_beyond_the_admission_limit_is_429_with_retry_after(guarded: Any) -> None:
+    headers = {"authorization": f"Bearer {API_KEY}"}
+    long = _completion(max_tokens=400, ignore_eos=True, stream=True)
+    with httpx.Client(base_url=guarded.base_url, timeout=60.0, headers=headers) as client:
+        with contextlib.ExitStack() as streams:
+            for _ in range(2):  # one running, one queued: the limit
+                response = streams.enter_context(client.stream("POST", COMPLETIONS, json=long))
+                assert response.status_code == 200
+            refused = client.post(COMPLETIONS, json=_completion())
+            _assert_error(refused, 429, "limit")
+            assert refused.headers["retry-after"] == "1"
+        # Closing the streams gives their places back.
+        deadline = time.monotonic() + 30
+        while (ok := client.post(COMPLETIONS, json=_completion())).status_code == 429 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ok.status_code == 200, ok.text
