@@ -177,8 +177,8 @@ async def test_bad_rpcs_get_errors_and_the_decode_keeps_serving(pd_pair: Callabl
 
 async def test_each_role_serves_only_its_own_rpcs(pd_pair: Callable[..., Any]) -> None:
     async with pd_pair(link=False) as pair:
-        channel = grpc.aio.insecure_channel(pair.prefill_config.instance_name)
-        decode_channel = grpc.aio.insecure_channel(pair.decode_config.instance_name)
+        channel = control_channel(pair.prefill_config.instance_name, pair.prefill_config.cluster_key)
+        decode_channel = control_channel(pair.decode_config.instance_name, pair.decode_config.cluster_key)
         try:
             prefill = disagg_pd_pb2_grpc.DisaggPDServiceStub(channel)
 
