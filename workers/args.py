@@ -36,6 +36,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                       help="KV data path (default %(default)s)")
     role.add_argument("--served-model-name", default=_default(s, "served_model_name"),
                       help="the model name clients send (default: the --model source)")
+    role.add_argument("--vllm-metric-aliases", action="store_true",
+                      help="also export queue, KV-usage and latency metrics under vLLM's names (vllm:*), "
+                           "for autoscaling recipes written for vLLM")
     kv = p.add_argument_group("KV transfer (prefill and decode roles)")
     kv.add_argument("--kv-transfer-mode", choices=[m.value for m in KvTransferMode],
                     default=_default(s, "kv_transfer_mode").value, help="default %(default)s")
@@ -87,5 +90,6 @@ def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]
         kv_transfer_mode=KvTransferMode(args.kv_transfer_mode),
         kv_transport=KvTransport(args.kv_transport),
         kv_connections=args.kv_connections,
+        vllm_metric_aliases=args.vllm_metric_aliases,
     )
     return engine, server

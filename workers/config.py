@@ -58,6 +58,8 @@ class ServerConfig:
     # Seconds to let in-flight requests finish after SIGTERM before the
     # server closes their connections.
     graceful_shutdown_s: float = 30.0
+    # Also export the routing and latency metrics under vLLM's names (vllm:*).
+    vllm_metric_aliases: bool = False
 
     def __post_init__(self) -> None:
         for name in ("http_port", "grpc_port", "transfer_port"):

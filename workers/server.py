@@ -123,6 +123,8 @@ def _build_http_app(state: AppState, role: Role, worker: Callable[[], Worker | N
 
 async def serve(engine_config: EngineConfig, server_config: ServerConfig, builder: WorkerBuilder) -> int:
     metrics = WorkerMetrics(server_config.role.value)
+    if server_config.vllm_metric_aliases:
+        metrics.add_vllm_aliases(server_config.served_model_name or engine_config.model)
     state = AppState(metrics)
     started: list[Worker] = []  # the worker, once started: the link routes serve it from then on
     http = _UvicornServer(
