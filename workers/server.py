@@ -180,6 +180,8 @@ def _uvicorn(app: FastAPI, host: str, port: int, graceful_shutdown_s: float) -> 
 async def serve(engine_config: EngineConfig, server_config: ServerConfig, spec: RoleSpec) -> int:
     """The admin server runs for the whole life of the worker (a drain is watched to its end)."""
     metrics = WorkerMetrics(server_config.role.value)
+    if server_config.vllm_metric_aliases:
+        metrics.add_vllm_aliases(server_config.served_model_name or engine_config.model)
     limit = max_in_flight(engine_config.max_num_seqs, server_config.max_queued_requests)
     state = AppState(metrics, Admission(limit))
     state.insecure = server_config.insecure
