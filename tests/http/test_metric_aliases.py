@@ -32,20 +32,20 @@ def _samples(client: httpx.Client) -> dict[str, tuple[dict[str, str], float]]:
     """Unbucketed samples of one scrape, by name (with their labels)."""
     text = client.get("/metrics").text
     return {s.name: (s.labels, s.value) for family in text_string_to_metric_families(text)
-            for s in family.samples if "le" not in s.labels}  # fmt: skip
+            for s in family.samples if "le" not in s.labels}
 
 
 def _chat(base_url: str, tokens: int) -> None:
     body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "count"}], "max_tokens": tokens,
-            "ignore_eos": True, "temperature": 0}  # fmt: skip
+            "ignore_eos": True, "temperature": 0}
     httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=120.0).raise_for_status()
 
 
 def test_aliases_equal_ours_under_load(worker_launcher: Callable[..., AbstractContextManager[ServedWorker]],
-                                       tiny_model_dir: Path, tmp_path: Path) -> None:  # fmt: skip
+                                       tiny_model_dir: Path, tmp_path: Path) -> None:
     with worker_launcher(str(tiny_model_dir), tmp_path / "worker.log", "--vllm-metric-aliases",
                          "--max-num-seqs", "4", "--block-size", "4") as worker, \
-            httpx.Client(base_url=worker.base_url, timeout=30.0) as client:  # fmt: skip
+            httpx.Client(base_url=worker.base_url, timeout=30.0) as client:
         load = [threading.Thread(target=_chat, args=(worker.base_url, 48)) for _ in range(CONCURRENT)]
         for t in load:
             t.start()
