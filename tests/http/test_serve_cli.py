@@ -38,7 +38,7 @@ def test_invalid_settings_fail_before_loading() -> None:
     result = _run("--role", "mixed", "--model", "x", "--block-size", "3")
     assert result.returncode == 2
     assert "block_size must be a power of two" in result.stderr
-    result = _run("--role", "decode", "--model", "x", "--kv-connections", "0")
+    result = _run("--role", "decode", "--model", "x", "--insecure", "--kv-connections", "0")
     assert result.returncode == 2
     assert "kv_connections must be between 1 and 64" in result.stderr
     result = _run("--role", "mixed", "--model", "x", "--threads", "0")
@@ -95,7 +95,7 @@ def test_missing_model_fails_at_start_with_a_reason(tmp_path: Path, role: str) -
     ports = [str(free_port()) for _ in range(4)]
     result = _run("--role", role, "--model", str(tmp_path / "missing"), "--host", "127.0.0.1", "--device", "cpu",
                   "--http-port", ports[0], "--grpc-port", ports[1], "--transfer-port", ports[2],
-                  "--admin-port", ports[3])
+                  "--admin-port", ports[3], "--insecure")
     assert result.returncode == 1
     assert "does not exist" in result.stderr
 
