@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-fast k8s-binaries cluster-up cluster-down proto lint bench clean
+.PHONY: setup demo demo-k8s test test-fast k8s-binaries cluster-up cluster-down proto lint bench clean
 
 # The virtual environment, rebuilt when pyproject.toml changes.
 $(VENV)/.installed: pyproject.toml
@@ -22,6 +22,11 @@ setup: $(VENV)/.installed
 ## The main job: a prefill and a decode on this machine, linked, answering chat prompts.
 demo: setup
 	$(BIN)/disagg demo
+
+## The operator's demo: the local cluster, `helm install` of the chart, `kubectl apply` of
+## the CPU example, a chat answer; the cluster stays up (`make cluster-down` ends it).
+demo-k8s: setup k8s-binaries
+	$(BIN)/python -m disagg.testing demo
 
 ## The type check, then the whole test suite (builds the Kubernetes binaries into a cache the first time).
 test: lint k8s-binaries

@@ -17,6 +17,7 @@ RUNTIME_PACKAGES = [
     "disagg.workers.pd",
     "disagg.workers.transfer",
     "disagg.workers.http",
+    "disagg.workers.security",
     "disagg.operator",
     "disagg.proto",
 ]

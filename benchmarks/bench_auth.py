@@ -52,7 +52,7 @@ def measure(args: argparse.Namespace, key_file: Path | None, log_dir: Path) -> t
     env = {"OMP_NUM_THREADS": str(args.threads)}
     label = "keyed" if key_file else "insecure"
     workers = [spawn_worker(role, args.model, log_dir / f"{label}-{role}.log", extra, env=env, key_file=key_file)
-               for role in ("decode", "prefill")]  # fmt: skip
+               for role in ("decode", "prefill")]
     try:
         for w in workers:
             w.wait_loaded(STARTUP_S)

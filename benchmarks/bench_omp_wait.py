@@ -50,7 +50,7 @@ def main() -> int:
             procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True) for _ in range(args.processes)]
             rates = [float(proc.communicate(timeout=args.seconds + 120)[0]) for proc in procs]
             print(f"{name:8s} {threads} thread(s) x {args.processes} processes: steps/s "
-                  f"{' + '.join(f'{r:.0f}' for r in rates)} = {sum(rates):.0f}", flush=True)  # fmt: skip
+                  f"{' + '.join(f'{r:.0f}' for r in rates)} = {sum(rates):.0f}", flush=True)
     return 0
 
 

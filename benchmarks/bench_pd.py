@@ -67,7 +67,7 @@ class Prompts:
 async def stream_one(client: httpx.AsyncClient, worker: WorkerProcess, prompt: list[int], max_tokens: int) -> Sample:
     """One streamed completion; times as the client sees them."""
     body = {"model": SERVED, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+            "ignore_eos": True, "return_token_ids": True}
     began = time.perf_counter()
     first = last = None
     n = 0
@@ -104,12 +104,12 @@ async def run_load(worker: WorkerProcess, prompts: list[list[int]], concurrency:
 
 
 async def run_interference(worker: WorkerProcess, prompts: Prompts, decoders: int, decode_tokens: int,
-                           long_prompt: int, arrivals: bool) -> list[Sample]:  # fmt: skip
+                           long_prompt: int, arrivals: bool) -> list[Sample]:
     """TPOT of `decoders` running requests; with `arrivals`, long prompts (1 output token) arrive
     back to back until they finish."""
     async with httpx.AsyncClient(timeout=600.0) as client:
         running = [asyncio.create_task(stream_one(client, worker, prompts.next(32), decode_tokens))
-                   for _ in range(decoders)]  # fmt: skip
+                   for _ in range(decoders)]
         while arrivals and not all(t.done() for t in running):
             await stream_one(client, worker, prompts.next(long_prompt), 1)
         return list(await asyncio.gather(*running))
@@ -124,13 +124,13 @@ def ms(values: Sequence[float | None]) -> str:
 
 
 def start_workers(model: str, log_dir: Path, args: argparse.Namespace,
-                  started: list[WorkerProcess]) -> tuple[WorkerProcess, WorkerProcess, WorkerProcess]:  # fmt: skip
+                  started: list[WorkerProcess]) -> tuple[WorkerProcess, WorkerProcess, WorkerProcess]:
     """A linked prefill and decode, and a mixed worker; each appended to `started` as it starts."""
     extra = ["--served-model-name", SERVED, "--max-model-len", "2048"]
     env = dict(kv.split("=", 1) for kv in args.worker_env)
     for role, threads, more in (("decode", args.pd_threads, []),
                                 ("prefill", args.pd_threads, ["--kv-transfer-mode", args.kv_transfer_mode]),
-                                ("mixed", args.threads, [])):  # fmt: skip
+                                ("mixed", args.threads, [])):
         started.append(spawn_worker(role, model, log_dir / f"{role}.log", [*extra, *more], env=env, threads=threads))
     decode, prefill, mixed = started
     for w in started:
@@ -155,7 +155,7 @@ class Load:
         samples = await run_load(worker, prompts, conc, max_tokens)
         wall = time.perf_counter() - began
         return cls(sum(s.tokens for s in samples) / wall, statistics.median(s.ttft_s for s in samples),
-                   statistics.median(s.tpot_s for s in samples if s.tpot_s is not None))  # fmt: skip
+                   statistics.median(s.tpot_s for s in samples if s.tpot_s is not None))
 
 
 async def bench_load(targets: dict[str, WorkerProcess], args: argparse.Namespace) -> None:
@@ -164,9 +164,9 @@ async def bench_load(targets: dict[str, WorkerProcess], args: argparse.Namespace
     for w in targets.values():  # warm up (first-call allocations)
         await run_load(w, [prompts.next(16)], 1, 4)
     print(f"\nload: {args.load_prompt} prompt tokens, {args.load_tokens} output tokens (ignore_eos, greedy), "
-          f"max({args.requests}, concurrency) requests per case; tok/s, median TTFT and TPOT in ms")  # fmt: skip
+          f"max({args.requests}, concurrency) requests per case; tok/s, median TTFT and TPOT in ms")
     print(f"{'round':>5s} {'conc':>4s} | {'mixed tok/s':>11s} {'TTFT':>7s} {'TPOT':>6s} | "
-          f"{'PD tok/s':>8s} {'TTFT':>7s} {'TPOT':>6s} | PD/mixed: tok/s  TTFT  TPOT")  # fmt: skip
+          f"{'PD tok/s':>8s} {'TTFT':>7s} {'TPOT':>6s} | PD/mixed: tok/s  TTFT  TPOT")
     for r in range(args.rounds):
         for conc in args.concurrency:
             batch = [prompts.next(args.load_prompt) for _ in range(max(args.requests, conc))]
@@ -176,7 +176,7 @@ async def bench_load(targets: dict[str, WorkerProcess], args: argparse.Namespace
             print(f"{r + 1:5d} {conc:4d} | {m.tok_s:11.1f} {m.ttft_s * 1e3:7.0f} {m.tpot_s * 1e3:6.1f} | "
                   f"{pd.tok_s:8.1f} {pd.ttft_s * 1e3:7.0f} {pd.tpot_s * 1e3:6.1f} | "
                   f"{pd.tok_s / m.tok_s:14.2f}x {pd.ttft_s / m.ttft_s:4.2f}x {pd.tpot_s / m.tpot_s:4.2f}x",
-                  flush=True)  # fmt: skip
+                  flush=True)
 
 
 async def bench(prefill: WorkerProcess, mixed: WorkerProcess, args: argparse.Namespace) -> None:
@@ -192,9 +192,9 @@ async def bench(prefill: WorkerProcess, mixed: WorkerProcess, args: argparse.Nam
                 n = max(args.requests, conc * 2)
                 samples = await run_load(w, [prompts.next(prompt_len) for _ in range(n)], conc, args.max_tokens)
                 print(f"{name:6s} {prompt_len:6d} {conc:4d} {n:4d}   {ms([s.ttft_s for s in samples])}   "
-                      f"{ms([s.tpot_s for s in samples])}", flush=True)  # fmt: skip
+                      f"{ms([s.tpot_s for s in samples])}", flush=True)
     print(f"\n2. interference: TPOT (ms, mean / p90) of {args.decoders} decoding requests of {args.decode_tokens} "
-          f"tokens, alone and while prompts of {args.long_prompt} tokens keep arriving")  # fmt: skip
+          f"tokens, alone and while prompts of {args.long_prompt} tokens keep arriving")
     print(f"{'role':6s}   {'alone':>17s}   {'with arrivals':>17s}   slowdown")
     for name, w in targets.items():
         alone = await run_interference(w, prompts, args.decoders, args.decode_tokens, args.long_prompt, False)
@@ -202,7 +202,7 @@ async def bench(prefill: WorkerProcess, mixed: WorkerProcess, args: argparse.Nam
         a = statistics.mean(s.tpot_s for s in alone if s.tpot_s is not None)
         b = statistics.mean(s.tpot_s for s in busy if s.tpot_s is not None)
         print(f"{name:6s}   {ms([s.tpot_s for s in alone])}   {ms([s.tpot_s for s in busy])}   {b / a:6.2f}x",
-              flush=True)  # fmt: skip
+              flush=True)
 
 
 def main() -> int:
@@ -213,7 +213,7 @@ def main() -> int:
                    help="compute threads of the mixed worker (default: the usable CPUs, %(default)s)")
     p.add_argument("--pd-threads", type=int, default=default_threads(workers=2),
                    help="compute threads of the prefill and of the decode (default: half the usable CPUs each, "
-                        "%(default)s)")  # fmt: skip
+                        "%(default)s)")
     p.add_argument("--worker-env", nargs="*", default=[], metavar="KEY=VALUE",
                    help="environment of every worker, e.g. GOMP_SPINCOUNT=300000 (libgomp's spinning default)")
     p.add_argument("--load", action="store_true",
@@ -241,7 +241,7 @@ def main() -> int:
         args.rounds, args.load_prompt, args.load_tokens = 1, 32, 8
     print("command:", " ".join([Path(sys.executable).name, *sys.argv]))
     print(f"model {args.model}, {args.kv_transfer_mode} over tcp, {args.threads} thread(s) for mixed, "
-          f"{args.pd_threads} for each PD worker, worker env {args.worker_env or 'as is'}")  # fmt: skip
+          f"{args.pd_threads} for each PD worker, worker env {args.worker_env or 'as is'}")
     log_dir = Path(tempfile.mkdtemp(prefix="bench-pd-"))
     workers: list[WorkerProcess] = []
     try:

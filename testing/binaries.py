@@ -27,6 +27,7 @@ class Binaries:
     kube_apiserver: Path
     kube_controller_manager: Path
     helm: Path | None
+    kubectl: Path | None = None
 
     @property
     def folder(self) -> Path:
@@ -69,11 +70,12 @@ def find_binaries(build: bool = True, build_timeout_s: float = 5400.0) -> Binari
         if not lines:
             raise BinariesError(f"{BUILD_SCRIPT} printed no folder:\n{done.stderr[-4000:]}")
         build_dir = Path(lines[-1])
-    found = {name: _pick(name, build_dir) for name in CONTROL_PLANE_BINARIES + ("helm",)}
+    found = {name: _pick(name, build_dir) for name in CONTROL_PLANE_BINARIES + ("helm", "kubectl")}
     missing = [name for name in CONTROL_PLANE_BINARIES if found[name] is None]
     if missing:
         where = f"KUBEBUILDER_ASSETS={os.environ.get('KUBEBUILDER_ASSETS', '')!r}, build folder {build_dir}"
         raise BinariesError(f"missing binaries {missing} ({where})")
     etcd, apiserver, kcm = (found[name] for name in CONTROL_PLANE_BINARIES)
     assert etcd and apiserver and kcm, "checked by `missing` above"
-    return Binaries(etcd=etcd, kube_apiserver=apiserver, kube_controller_manager=kcm, helm=found["helm"])
+    return Binaries(etcd=etcd, kube_apiserver=apiserver, kube_controller_manager=kcm, helm=found["helm"],
+                    kubectl=found["kubectl"])

@@ -29,7 +29,7 @@ def default_runtime_dir() -> Path:
     return Path(base) / "disagg-cluster"
 
 
-def _read_state(runtime_dir: Path) -> dict[str, str | int] | None:
+def read_state(runtime_dir: Path) -> dict[str, str | int] | None:
     path = runtime_dir / "state.json"
     if not path.is_file():
         return None
@@ -44,6 +44,8 @@ def _print_state(state: dict[str, str | int]) -> None:
     print(f"binaries:             {state['binaries']}")
     print(f"pod logs:             {state['pod_logs']}")
     print(f"export KUBECONFIG={state['admin_kubeconfig']}")
+    # kubectl and helm are built into the binaries folder; this puts them on PATH.
+    print(f"export PATH={state['binaries']}:$PATH")
 
 
 def serve(runtime_dir: Path) -> int:
@@ -76,7 +78,7 @@ def serve(runtime_dir: Path) -> int:
 
 
 def up(runtime_dir: Path, timeout_s: float = 300.0) -> int:
-    state = _read_state(runtime_dir)
+    state = read_state(runtime_dir)
     if state is not None:
         print(f"already running (pid {state['pid']})")
         _print_state(state)
@@ -91,7 +93,7 @@ def up(runtime_dir: Path, timeout_s: float = 300.0) -> int:
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
     deadline = time.monotonic() + timeout_s
-    while (state := _read_state(runtime_dir)) is None:
+    while (state := read_state(runtime_dir)) is None:
         if proc.poll() is not None or time.monotonic() > deadline:
             if proc.poll() is None:
                 proc.terminate()
@@ -104,7 +106,7 @@ def up(runtime_dir: Path, timeout_s: float = 300.0) -> int:
 
 
 def down(runtime_dir: Path, timeout_s: float = 120.0) -> int:
-    state = _read_state(runtime_dir)
+    state = read_state(runtime_dir)
     if state is None:
         print("not running")
         return 0

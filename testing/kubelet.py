@@ -12,6 +12,12 @@ every readiness gate True), reports container states and restarts per
 `restartPolicy`, and on deletion SIGTERMs the process group, waits the grace
 period, SIGKILLs and removes the pod object.
 
+A pod that mounts its service account's token (`automountServiceAccountToken`
+not false on the pod or its ServiceAccount) gets, instead of the files under
+/var/run/secrets, a kubeconfig with a bound token of that account, named by
+`KUBECONFIG`: the Kubernetes clients read it where in-cluster config is absent,
+so an operator pod acts with its own account's rights, never the user's.
+
 Threads: one reconcile loop (lists pods every `resync_s`, or at once when a
 probe result changes something, and acts), a small pool for probes, one
 thread per terminating pod. The shared state (`_runtimes`, the address pool)
@@ -37,6 +43,8 @@ from typing import Any
 from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError
 
+from disagg.testing.controlplane import write_kubeconfig
+from disagg.testing.pki import Identity
 from disagg.testing.podenv import Obj, PodConfigError, command_line, container_env
 from disagg.testing.probes import ProbeTracker, parse_probe
 from disagg.testing.processes import ManagedProcess
@@ -316,10 +324,46 @@ class LocalKubelet:
         data: dict[str, str] = obj.get("data", {})
         return data
 
+    def _automounts_token(self, pod: Obj) -> bool:
+        spec = pod["spec"]
+        if "automountServiceAccountToken" in spec:
+            return bool(spec["automountServiceAccountToken"])
+        account = self._service_account(pod)
+        return account is not None and account.get("automountServiceAccountToken", True) is not False
+
+    def _service_account(self, pod: Obj) -> Obj | None:
+        name = pod["spec"].get("serviceAccountName") or "default"
+        try:
+            return self.kube.get(f"/api/v1/namespaces/{pod['metadata']['namespace']}/serviceaccounts/{name}")
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def _token_kubeconfig(self, rt: PodRuntime, pod: Obj) -> Path:
+        """A kubeconfig with a token of the pod's ServiceAccount, bound to the pod (it dies with it)."""
+        account = pod["spec"].get("serviceAccountName") or "default"
+        try:
+            answer = self.kube.post(
+                f"/api/v1/namespaces/{rt.namespace}/serviceaccounts/{account}/token",
+                {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+                 "spec": {"expirationSeconds": 24 * 3600,
+                          "boundObjectRef": {"kind": "Pod", "apiVersion": "v1", "name": rt.name, "uid": rt.uid}}})
+        except ApiException as e:
+            raise PodConfigError(f"a token for service account {account!r}: {e.status} {e.reason}") from e
+        path = self.workdir / "tokens" / f"{rt.namespace}_{rt.name}.kubeconfig"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        api = self.kube.api.configuration
+        write_kubeconfig(path, api.host, Path(api.ssl_ca_cert),
+                         Identity(f"system:serviceaccount:{rt.namespace}:{account}", answer["status"]["token"]))
+        return path
+
     def _start_container(self, rt: PodRuntime, pod: Obj) -> None:
         container = pod["spec"]["containers"][0]
         injected = {"POD_IP": rt.ip, "POD_NAME": rt.name, "POD_NAMESPACE": rt.namespace}
         try:
+            if self._automounts_token(pod):
+                injected["KUBECONFIG"] = str(self._token_kubeconfig(rt, pod))
             env = {**injected, **container_env(pod, container, rt.ip, HOST_IP, self._lookup)}
             argv = command_line(container, env)
             cwd = container.get("workingDir") or self.default_cwd
@@ -336,7 +380,9 @@ class LocalKubelet:
         # variables; this Python environment stands in for the image, so its
         # scripts (`disagg`) come first on PATH even when it is not activated.
         path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", os.defpath)])
-        full_env = {**os.environ, "PATH": path, **env}
+        # The user's own KUBECONFIG is no pod's business (a pod gets its account's, above).
+        inherited = {k: v for k, v in os.environ.items() if k != "KUBECONFIG"}
+        full_env = {**inherited, "PATH": path, **env}
         rt.log_path.parent.mkdir(parents=True, exist_ok=True)
         with rt.log_path.open("ab") as f:
             f.write(f"--- {_now()} starting {argv}\n".encode())

@@ -49,6 +49,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         help=f"clients send it as 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}, else none)")
     client.add_argument("--max-queued-requests", type=int, default=_default(s, "max_queued_requests"),
                         help="client requests held beyond --max-num-seqs before answering 429 (default: 4 x --max-num-seqs)")
+    role.add_argument("--vllm-metric-aliases", action="store_true",
+                      help="also export queue, KV-usage and latency metrics under vLLM's names (vllm:*), "
+                           "for autoscaling recipes written for vLLM")
     kv = p.add_argument_group("KV transfer (prefill and decode roles)")
     kv.add_argument("--kv-transfer-mode", choices=TRANSFER_MODES,
                     default=_default(s, "kv_transfer_mode").value, help="default %(default)s")
@@ -134,5 +137,6 @@ def build_configs(args: argparse.Namespace, env: Mapping[str, str] | None = None
         insecure=args.insecure,
         allow_anonymous_peers=args.allow_anonymous_peers,
         threads=args.threads,
+        vllm_metric_aliases=args.vllm_metric_aliases,
     )
     return engine, server

@@ -84,7 +84,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "demo": ("Run a prefill and a decode here with the embedded default model, answer a few chat prompts "
              "and show what happened.", _add_demo_arguments, _run_demo),
     "operator": ("Run the DisaggCluster operator (Kubernetes).", _add_operator_arguments, _run_operator),
-}  # fmt: skip
+}
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:

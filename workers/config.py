@@ -70,6 +70,8 @@ class ServerConfig:
     api_key: str | None = field(default=None, repr=False)
     # Client requests held beyond the engine's max_num_seqs before a 429; None: 4 x max_num_seqs.
     max_queued_requests: int | None = None
+    # Also export the routing and latency metrics under vLLM's names (vllm:*).
+    vllm_metric_aliases: bool = False
 
     def __post_init__(self) -> None:
         for name in ("http_port", "grpc_port", "transfer_port", "admin_port"):

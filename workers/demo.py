@@ -75,7 +75,7 @@ def _mean(worker: WorkerProcess, histogram: str) -> float | None:
 @contextmanager
 def running_pair(model: str, log_dir: Path, extra: list[str], startup_timeout_s: float,
                  mode: str = "PUSH", key_file: Path | None = None,
-                 ) -> Iterator[tuple[WorkerProcess, WorkerProcess]]:  # fmt: skip
+                 ) -> Iterator[tuple[WorkerProcess, WorkerProcess]]:
     """A prefill and a decode on loopback, loaded and linked, splitting the CPUs; both stopped on the way out,
     whatever happens.
 
@@ -92,7 +92,7 @@ def running_pair(model: str, log_dir: Path, extra: list[str], startup_timeout_s:
         for role in ("decode", "prefill"):
             workers.append(spawn_worker(role, model, log_dir / f"{role}.log",
                                         ["--kv-transfer-mode", mode, *extra], key_file=key_file,
-                                        threads=threads))  # fmt: skip
+                                        threads=threads))
         decode, prefill = workers
         for w in workers:
             w.wait_loaded(startup_timeout_s)
@@ -133,9 +133,9 @@ def run_demo(args: argparse.Namespace) -> int:
         _prepare_model(args.model)
         print("starting the workers...", flush=True)
         with running_pair(args.model, log_dir, extra, args.startup_timeout, args.kv_transfer_mode,
-                          args.cluster_key_file) as (prefill, decode):  # fmt: skip
+                          args.cluster_key_file) as (prefill, decode):
             print(f"linked decode {decode.instance_name} to prefill {prefill.instance_name} "
-                  f"({args.kv_transfer_mode}, tcp)\n", flush=True)  # fmt: skip
+                  f"({args.kv_transfer_mode}, tcp)\n", flush=True)
             _ask(prefill, args.served_model_name, args.max_tokens)
             _report(Figures.read(prefill, decode))
             if args.serve:
@@ -168,14 +168,14 @@ def _report(f: Figures) -> None:
     print(f"time to first token (mean)  {ms(f.ttft_s)}")
     print(f"time per output token (mean) {ms(f.tpot_s)}")
     print(f"KV bytes moved: {f.kv_bytes_sent:,.0f} sent by the prefill, {f.kv_bytes_received:,.0f} received by the decode",
-          flush=True)  # fmt: skip
+          flush=True)
 
 
 def _serve(prefill: WorkerProcess, model: str) -> None:
     print(f"\nserving: the OpenAI API is at {prefill.base_url}/v1 (model {model!r}); Ctrl-C stops both workers.")
     print(f"  curl {prefill.base_url}/v1/chat/completions -H 'Content-Type: application/json' "
           f"-d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'",
-          flush=True)  # fmt: skip
+          flush=True)
     while prefill.process.poll() is None:
         time.sleep(0.5)
     raise WorkerFailed(f"the prefill exited with {prefill.process.returncode}:\n{prefill.log()}")

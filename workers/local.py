@@ -86,7 +86,7 @@ class WorkerProcess:
         return sum(
             s.value for family in text_string_to_metric_families(text) for s in family.samples
             if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
-        )  # fmt: skip
+        )
 
     def wait_loaded(self, timeout_s: float) -> None:
         """Until /health says the model is loaded and the role's servers are up.
@@ -124,7 +124,7 @@ class WorkerProcess:
 
 def spawn_worker(role: str, model: str, log_path: Path, extra: Sequence[str] = (), host: str = LOOPBACK,
                  env: dict[str, str] | None = None, key_file: Path | None = None,
-                 threads: int | None = None) -> WorkerProcess:  # fmt: skip
+                 threads: int | None = None) -> WorkerProcess:
     """Start `disagg serve --role ROLE` on free ports of `host`; returns at once (see `wait_loaded`).
 
     A prefill or decode gets `--cluster-key-file key_file`, or `--insecure` when it is None.
@@ -137,12 +137,12 @@ def spawn_worker(role: str, model: str, log_path: Path, extra: Sequence[str] = (
         sys.executable, "-m", "disagg.workers", "serve", "--role", role, "--model", model, "--host", host,
         "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--transfer-port", str(ports[2]),
         "--admin-port", str(ports[3]), *auth, *([] if threads is None else ["--threads", str(threads)]), *extra,
-    ]  # fmt: skip
+    ]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("ab") as log:
         process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                    env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})),
-                                   process_group=0)  # fmt: skip
+                                   process_group=0)
     return WorkerProcess(role, host, ports[0], ports[1], ports[2], ports[3], log_path, process, key_file)
 
 
@@ -151,7 +151,7 @@ def link(decode: WorkerProcess, prefill: WorkerProcess, timeout_s: float = 15.0)
     from disagg.workers.pd.commands import link_call
 
     return link_call(decode.instance_name, prefill.instance_name, prefill.transfer_port, timeout_s,
-                     decode.cluster_key)  # fmt: skip
+                     decode.cluster_key)
 
 
 def unlink(decode: WorkerProcess, prefill: WorkerProcess, timeout_s: float = 15.0) -> list[str]:
@@ -159,4 +159,4 @@ def unlink(decode: WorkerProcess, prefill: WorkerProcess, timeout_s: float = 15.
     from disagg.workers.pd.commands import unlink_calls
 
     return unlink_calls(decode.instance_name, decode.transfer_port, prefill.instance_name, prefill.transfer_port,
-                        timeout_s, decode.cluster_key)  # fmt: skip
+                        timeout_s, decode.cluster_key)

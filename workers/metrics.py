@@ -6,6 +6,7 @@ can live in one process (tests) without clashing in the global registry.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import (
@@ -18,6 +19,8 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from disagg.workers.engine.async_engine import EngineStats
@@ -98,6 +101,9 @@ class WorkerMetrics:
         self.kv_blocks_free = Gauge("disagg_kv_blocks_free", "KV cache blocks free.", registry=r)
         self.requests_running = Gauge("disagg_requests_running", "Requests being computed.", registry=r)
         self.requests_waiting = Gauge("disagg_requests_waiting", "Requests queued.", registry=r)
+        # The Gateway API Inference Extension's KVCacheUtilization: used / total blocks, 0 to 1.
+        self.kv_cache_usage = Gauge("disagg_kv_cache_usage_ratio", "Fraction of KV cache blocks in use (0 to 1).",
+                                    registry=r)
         self.links = Gauge("disagg_links", "Prefill/decode links this worker holds.", registry=r)
         self.draining = Gauge("disagg_draining", "1 while the worker drains (POST /drain), else 0.", registry=r)
         # Every outcome shows as 0 from the start, so rate() works at once.
@@ -150,6 +156,22 @@ class WorkerMetrics:
         self.kv_blocks_free.set(stats.kv_blocks_free)
         self.requests_running.set(stats.requests_running)
         self.requests_waiting.set(stats.requests_waiting)
+        used = stats.kv_blocks_total - stats.kv_blocks_free
+        self.kv_cache_usage.set(used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0)
+
+    def add_vllm_aliases(self, model_name: str) -> None:
+        """Also export the routing and latency series under vLLM's names, with its
+        `model_name` label, so KEDA/HPA recipes written for vLLM work unchanged."""
+        self.registry.register(VllmAliases({
+            "vllm:num_requests_waiting": self.requests_waiting,
+            "vllm:num_requests_running": self.requests_running,
+            "vllm:kv_cache_usage_perc": self.kv_cache_usage,
+            "vllm:time_to_first_token_seconds": self.time_to_first_token,
+            "vllm:time_per_output_token_seconds": self.time_per_output_token,
+            "vllm:e2e_request_latency_seconds": self.e2e_request_latency,
+            "vllm:prompt_tokens": self.prompt_tokens,
+            "vllm:generation_tokens": self.generation_tokens,
+        }, model_name))
 
     def set_links(self, n: int) -> None:
         self.links.set(n)
@@ -157,3 +179,23 @@ class WorkerMetrics:
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
         return generate_latest(self.registry)
+
+
+
+class VllmAliases(Collector):
+    """Copies of our metrics under vLLM's names, read at scrape time from the
+    originals, so an alias can never disagree with them."""
+
+    def __init__(self, aliases: dict[str, Collector], model_name: str) -> None:
+        self.aliases = aliases  # vLLM's family name -> our metric
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        for alias, original in self.aliases.items():
+            for family in original.collect():
+                copy = Metric(alias, family.documentation, family.type, family.unit)
+                for sample in family.samples:
+                    copy.add_sample(alias + sample.name[len(family.name):],
+                                    {**sample.labels, "model_name": self.model_name},
+                                    sample.value, sample.timestamp, sample.exemplar)
+                yield copy

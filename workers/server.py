@@ -156,7 +156,7 @@ def run(engine_config: EngineConfig, server_config: ServerConfig) -> int:
 
 
 def _build_admin_app(state: AppState, config: ServerConfig, spec: RoleSpec,
-                     worker: Callable[[], Worker | None]) -> FastAPI:  # fmt: skip
+                     worker: Callable[[], Worker | None]) -> FastAPI:
     """The admin port's app: drain, and xLLM's HTTP link calls where the role takes them."""
     app = build_admin_app(state)
     if spec.link_routes:
@@ -180,6 +180,8 @@ def _uvicorn(app: FastAPI, host: str, port: int, graceful_shutdown_s: float) -> 
 async def serve(engine_config: EngineConfig, server_config: ServerConfig, spec: RoleSpec) -> int:
     """The admin server runs for the whole life of the worker (a drain is watched to its end)."""
     metrics = WorkerMetrics(server_config.role.value)
+    if server_config.vllm_metric_aliases:
+        metrics.add_vllm_aliases(server_config.served_model_name or engine_config.model)
     limit = max_in_flight(engine_config.max_num_seqs, server_config.max_queued_requests)
     state = AppState(metrics, Admission(limit))
     state.insecure = server_config.insecure
@@ -188,7 +190,7 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig, spec: 
                     "can link, send requests and read or write KV blocks")
     started: list[Worker] = []  # the worker, once started: the link routes serve it from then on
     admin = _uvicorn(_build_admin_app(state, server_config, spec, lambda: started[0] if started else None),
-                     server_config.host, server_config.admin_port, graceful_shutdown_s=1.0)  # fmt: skip
+                     server_config.host, server_config.admin_port, graceful_shutdown_s=1.0)
     admin_task = asyncio.create_task(admin.serve(), name="admin")
     try:
         return await _serve_clients(engine_config, server_config, spec, state, started)
@@ -198,7 +200,7 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig, spec: 
 
 
 async def _serve_clients(engine_config: EngineConfig, server_config: ServerConfig, spec: RoleSpec,
-                         state: AppState, started: list[Worker]) -> int:  # fmt: skip
+                         state: AppState, started: list[Worker]) -> int:
     metrics = state.metrics
     app = build_app(state, client_api=spec.serves_completions, api_key=server_config.api_key)
     http = _uvicorn(app, server_config.host, server_config.http_port, server_config.graceful_shutdown_s)
@@ -232,7 +234,7 @@ async def _serve_clients(engine_config: EngineConfig, server_config: ServerConfi
         frozen = freeze_startup_heap()
         log.info("serving %s as %s on http://%s:%d, admin on port %d (%d start-up objects frozen out of the "
                  "garbage collector's reach)", worker.health.model.name, server_config.role.value, server_config.host,
-                 server_config.http_port, server_config.admin_port, frozen)  # fmt: skip
+                 server_config.http_port, server_config.admin_port, frozen)
         await http_task
         # HTTP has finished its requests; a decode's requests come over gRPC: let them finish too.
         await _finish_in_flight(worker.health, server_config.graceful_shutdown_s, http)

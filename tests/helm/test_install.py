@@ -7,9 +7,10 @@
   RBAC does not grant is refused;
 - `helm upgrade` with a changed CRD schema updates the CRD once crds.manage is on.
 
-The local kubelet cannot run the operator pod itself (it runs commands, and
-the Deployment relies on the image's entrypoint), so the test starts the
-operator process from what the installed Deployment says.
+The release is installed with `operator.replicas=0`, so the test starts the
+operator process itself from what the installed Deployment says, with a
+token it can look at (`make demo-k8s` runs the chart's pod under the local
+kubelet instead).
 """
 
 from __future__ import annotations
@@ -127,11 +128,13 @@ class Installed:
 
 @pytest.fixture(scope="module")
 def installed(helm: Helm, cluster: LocalCluster, kube: Kube, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
-    """`helm install` into a fresh namespace, with the default values but watching every namespace."""
+    """`helm install` with the default values (but no operator pod: the test runs it, watching every namespace)
+    into a fresh namespace."""
     release_ns = f"disagg-{uuid.uuid4().hex[:6]}"
     create_namespace(kube, release_ns)
     # Every namespace: the tests make their clusters in namespaces of their own.
     helm("install", RELEASE, str(CHART), "--namespace", release_ns, "--set", "operator.watchAllNamespaces=true",
+         "--set", "operator.replicas=0",
          kubeconfig=cluster.admin_kubeconfig)
     wait_until(lambda: _established(kube, CRD_NAME) or None, 30, "the DisaggCluster CRD from crds/")
     token = kube.post(f"/api/v1/namespaces/{release_ns}/serviceaccounts/{RELEASE}/token",
@@ -288,7 +291,8 @@ def test_helm_upgrade_updates_the_crd_once_managed(helm: Helm, cluster: LocalClu
     chart = tmp_path / "disagg"
     shutil.copytree(CHART, chart)
     admin = cluster.admin_kubeconfig
-    helm("install", release, str(chart), "--namespace", release_ns, kubeconfig=admin)
+    # No operator pod: this test is about the CRD, and one would reconcile other tests' clusters.
+    helm("install", release, str(chart), "--namespace", release_ns, "--set", "operator.replicas=0", kubeconfig=admin)
     wait_until(lambda: _established(kube, CRD_NAME) or None, 30, "the DisaggCluster CRD")
 
     # A new version of the chart whose CRD has one more (optional) spec field.
@@ -299,10 +303,10 @@ def test_helm_upgrade_updates_the_crd_once_managed(helm: Helm, cluster: LocalClu
     crd_file.write_text(yaml.safe_dump(changed, sort_keys=False))
     try:
         # Helm's rule: crds/ is installed once and never upgraded.
-        helm("upgrade", release, str(chart), "--namespace", release_ns, kubeconfig=admin)
+        helm("upgrade", release, str(chart), "--namespace", release_ns, "--reuse-values", kubeconfig=admin)
         assert "upgradeProbe" not in _crd_properties(kube)
         # The chart's way: render the CRD as a template; Helm adopts it once.
-        helm("upgrade", release, str(chart), "--namespace", release_ns, "--set", "crds.manage=true",
+        helm("upgrade", release, str(chart), "--namespace", release_ns, "--reuse-values", "--set", "crds.manage=true",
              "--take-ownership", kubeconfig=admin)
         assert _crd_properties(kube)["upgradeProbe"]["type"] == "string"
         got = kube.get(f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{CRD_NAME}")

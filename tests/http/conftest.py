@@ -49,10 +49,10 @@ class ServedWorker:
 
 
 def start_worker(model: str, log_path: Path, *extra: str, served_model_name: str = MODEL_NAME,
-                 env: dict[str, str] | None = None) -> ServedWorker:  # fmt: skip
+                 env: dict[str, str] | None = None) -> ServedWorker:
     """Start `disagg serve --role mixed` on free loopback ports; wait until it has loaded (= ready, for mixed)."""
     process = spawn_worker("mixed", model, log_path, ["--device", "cpu", "--served-model-name", served_model_name,
-                                                      *extra], env={"OMP_NUM_THREADS": "1", **(env or {})})  # fmt: skip
+                                                      *extra], env={"OMP_NUM_THREADS": "1", **(env or {})})
     worker = ServedWorker(process, served_model_name)
     try:
         process.wait_loaded(STARTUP_TIMEOUT_S)
@@ -69,7 +69,7 @@ def stop_worker(worker: ServedWorker) -> int:
 
 @contextlib.contextmanager
 def running_worker(model: str, log_path: Path, *extra: str, served_model_name: str = MODEL_NAME,
-                   env: dict[str, str] | None = None) -> Iterator[ServedWorker]:  # fmt: skip
+                   env: dict[str, str] | None = None) -> Iterator[ServedWorker]:
     """A worker for the duration of the block; it must exit 0 on SIGTERM."""
     worker = start_worker(model, log_path, *extra, served_model_name=served_model_name, env=env)
     try:
@@ -92,7 +92,7 @@ def served(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         str(tiny_model_dir), log_path,
         "--block-size", str(BLOCK_SIZE), "--num-kv-blocks", str(NUM_KV_BLOCKS),
         "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8",
-    ) as worker:  # fmt: skip
+    ) as worker:
         yield worker
 
 

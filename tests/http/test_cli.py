@@ -38,7 +38,7 @@ def test_help_and_version_import_nothing_heavy() -> None:
 def test_link_to_nothing_fails_with_the_reason() -> None:
     port = free_port()
     result = subprocess.run([*DISAGG, "link", "--decode", f"127.0.0.1:{port}", "--prefill", "127.0.0.1:1",
-                             "--timeout", "3", "--insecure"], capture_output=True, text=True, timeout=60)  # fmt: skip
+                             "--timeout", "3", "--insecure"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 1
     assert f"127.0.0.1:{port} refused" in result.stderr and "UNAVAILABLE" in result.stderr, result.stderr
 
@@ -47,7 +47,7 @@ def test_unlink_reports_each_side() -> None:
     decode, prefill = free_port(), free_port()
     result = subprocess.run([*DISAGG, "unlink", "--decode", f"127.0.0.1:{decode}", "--prefill",
                              f"127.0.0.1:{prefill}", "--timeout", "3", "--insecure"],
-                            capture_output=True, text=True, timeout=60)  # fmt: skip
+                            capture_output=True, text=True, timeout=60)
     assert result.returncode == 1
     assert f"127.0.0.1:{decode}: UNAVAILABLE" in result.stderr
     assert f"127.0.0.1:{prefill}: UNAVAILABLE" in result.stderr

@@ -40,7 +40,7 @@ def _assert_error(response: httpx.Response, status: int, words: str) -> None:
 @pytest.mark.parametrize(("method", "path"), [
     ("POST", "/drain"), ("DELETE", "/drain"), ("GET", "/drain"),
     ("POST", "/xllm.proto.DisaggPDService/LinkInstance"), ("POST", "/xllm.proto.DisaggPDService/UnlinkInstance"),
-])  # fmt: skip
+])
 def test_the_client_port_changes_no_state(served: Any, http: httpx.Client, method: str, path: str) -> None:
     assert http.request(method, path).status_code in (404, 405)
     assert http.get("/ready").status_code == 200, "still serving"
@@ -100,12 +100,12 @@ def test_a_large_body_does_not_stall_the_loop(served: Any, http: httpx.Client) -
 
 @pytest.fixture(scope="module")
 def guarded(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
-            worker_launcher: Callable[..., contextlib.AbstractContextManager[Any]]) -> Iterator[Any]:  # fmt: skip
+            worker_launcher: Callable[..., contextlib.AbstractContextManager[Any]]) -> Iterator[Any]:
     """A worker with an API key (from the environment, as a Secret gives it) that holds
     at most 2 requests: one running, one queued."""
     log = tmp_path_factory.mktemp("guarded") / "worker.log"
     with worker_launcher(str(tiny_model_dir), log, "--max-num-seqs", "1", "--max-queued-requests", "1",
-                         env={"DISAGG_API_KEY": API_KEY}) as worker:  # fmt: skip
+                         env={"DISAGG_API_KEY": API_KEY}) as worker:
         yield worker
 
 

@@ -27,7 +27,7 @@ EXAMPLES_PER_OPERATION = 120
 BUDGET_S = 60.0
 MAX_TOKENS = 4
 VICTIM = {"model": "tiny-llama", "prompt": "Hello world! How are", "max_tokens": 48, "temperature": 0,
-          "ignore_eos": True}  # fmt: skip
+          "ignore_eos": True}
 
 
 def _tame(case: Case) -> None:
@@ -52,14 +52,14 @@ def test_fuzzed_requests_get_no_5xx_and_leave_a_victim_unaffected(served: Any) -
     operations = [result.ok() for result in schema.get_all_operations()]  # type: ignore[union-attr]  # an invalid document fails here
     assert {op.path for op in operations} >= {"/v1/completions", "/v1/chat/completions", "/health"}
     strategy = st.one_of([op.as_strategy(generation_mode=mode) for op in operations
-                          for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)])  # fmt: skip
+                          for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)])
     expected = _victim(served.base_url)
     failures: list[str] = []
     deadline = time.monotonic() + BUDGET_S
     calls = 0
 
     @settings(max_examples=EXAMPLES_PER_OPERATION * len(operations), deadline=None, database=None,
-              phases=[Phase.generate], suppress_health_check=list(HealthCheck))  # fmt: skip
+              phases=[Phase.generate], suppress_health_check=list(HealthCheck))
     @given(case=strategy)
     def fuzz(case: Case) -> None:
         nonlocal calls

@@ -70,7 +70,7 @@ def test_streamed_completion_equals_the_whole_one(client: openai.OpenAI, served:
             model=served.model, prompt=PROMPT, max_tokens=10, temperature=0, stream=True,
             stream_options={"include_usage": True}, extra_body=EXACT,
         )
-    )  # fmt: skip
+    )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == whole.choices[0].text
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]

@@ -13,7 +13,7 @@ from disagg.workers.pd import errors
     (errors.PromptNeverFits("too long"), 413, "invalid_request_error"),
     (errors.DecodeFailed("went away"), 502, "server_error"),
     (errors.RequestRefused("refused"), 500, "server_error"),
-])  # fmt: skip
+])
 def test_role_errors_map_to_one_status_each(exc: errors.RequestFailed, status: int, kind: str) -> None:
     answer = role_api_error(exc)
     assert (answer.status, answer.type, answer.message) == (status, kind, str(exc))

@@ -38,7 +38,7 @@ def test_invalid_settings_fail_before_loading() -> None:
     result = _run("--role", "mixed", "--model", "x", "--block-size", "3")
     assert result.returncode == 2
     assert "block_size must be a power of two" in result.stderr
-    result = _run("--role", "decode", "--model", "x", "--kv-connections", "0")
+    result = _run("--role", "decode", "--model", "x", "--insecure", "--kv-connections", "0")
     assert result.returncode == 2
     assert "kv_connections must be between 1 and 64" in result.stderr
     result = _run("--role", "mixed", "--model", "x", "--threads", "0")
@@ -70,7 +70,7 @@ def test_the_api_key_comes_from_the_flag_or_the_environment() -> None:
     ("150000 100000\n", 2),  # 1.5 CPUs of quota: 2 CPUs run it
     ("50000 100000\n", 1),
     ("not a quota\n", "affinity"),
-])  # fmt: skip
+])
 def test_usable_cpus_follow_the_cgroup_quota(tmp_path: Path, cpu_max: str | None, expected: int | str) -> None:
     path = tmp_path / "cpu.max"
     if cpu_max is not None:
@@ -95,7 +95,7 @@ def test_missing_model_fails_at_start_with_a_reason(tmp_path: Path, role: str) -
     ports = [str(free_port()) for _ in range(4)]
     result = _run("--role", role, "--model", str(tmp_path / "missing"), "--host", "127.0.0.1", "--device", "cpu",
                   "--http-port", ports[0], "--grpc-port", ports[1], "--transfer-port", ports[2],
-                  "--admin-port", ports[3])  # fmt: skip
+                  "--admin-port", ports[3], "--insecure")
     assert result.returncode == 1
     assert "does not exist" in result.stderr
 
@@ -108,7 +108,7 @@ def test_metrics_carry_every_contract_name(served: Any) -> None:
         "disagg_requests_total", "disagg_kv_transfer_bytes_total", "disagg_prompt_tokens_total",
         "disagg_generation_tokens_total", "disagg_kv_blocks_total", "disagg_kv_blocks_free",
         "disagg_requests_running", "disagg_requests_waiting", "disagg_links", "disagg_draining",
-    ]  # fmt: skip
+    ]
     missing = [n for n in names if f"\n# TYPE {n.removesuffix('_bucket')}" not in text and f"\n{n}" not in text]
     assert not missing, missing
     assert 'disagg_requests_total{role="mixed",status="ok"}' in text
@@ -117,7 +117,7 @@ def test_metrics_carry_every_contract_name(served: Any) -> None:
 
 @pytest.mark.parametrize(("workers", "cpus", "threads"), [(1, 1, 1), (1, 2, 2), (2, 2, 1), (2, 1, 1), (3, 16, 5)])
 def test_default_threads_split_the_usable_cpus(monkeypatch: pytest.MonkeyPatch, workers: int, cpus: int,
-                                               threads: int) -> None:  # fmt: skip
+                                               threads: int) -> None:
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert default_threads(workers, cpus) == threads
 
@@ -139,9 +139,9 @@ def test_default_threads_follow_omp_num_threads(monkeypatch: pytest.MonkeyPatch)
     ({}, {"OMP_WAIT_POLICY": "PASSIVE"}),
     ({"OMP_WAIT_POLICY": "ACTIVE"}, {"OMP_WAIT_POLICY": "ACTIVE"}),
     ({"GOMP_SPINCOUNT": "300000"}, {"GOMP_SPINCOUNT": "300000", "OMP_WAIT_POLICY": None}),
-])  # fmt: skip
+])
 def test_the_cli_makes_openmp_wait_passively_unless_told(monkeypatch: pytest.MonkeyPatch, capsys: Any,
-                                                         given: dict[str, str], expected: dict[str, str | None]) -> None:  # fmt: skip
+                                                         given: dict[str, str], expected: dict[str, str | None]) -> None:
     for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
         monkeypatch.delenv(name, raising=False)
     for name, value in given.items():

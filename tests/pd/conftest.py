@@ -176,7 +176,7 @@ class Processes:
         """Start one (not waiting for it: start several, then `wait_loaded` each)."""
         log_path = self._log_dir / f"{role}-{len(self.started)}.log"
         worker = spawn_worker(role, str(self._model), log_path, [*PROCESS_ENGINE_ARGS, *extra],
-                              env={"OMP_NUM_THREADS": "1"}, key_file=self.key_file)  # fmt: skip
+                              env={"OMP_NUM_THREADS": "1"}, key_file=self.key_file)
         self.started.append(worker)
         return worker
 

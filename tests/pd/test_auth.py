@@ -58,7 +58,7 @@ async def test_a_caller_without_the_key_is_refused_everywhere(pd_pair: Callable[
         prefill_name = pair.prefill_config.instance_name
         for key in (None, ClusterKey.generate()):
             async with control_channel(pair.decode_config.instance_name, key) as decode, \
-                    control_channel(prefill_name, key) as prefill:  # fmt: skip
+                    control_channel(prefill_name, key) as prefill:
                 stub = disagg_pd_pb2_grpc.DisaggPDServiceStub(decode)
                 calls = [
                     stub.LinkInstance(InstanceInfo("127.0.0.1:1", "127.0.0.1:2").to_proto(), timeout=10),
@@ -69,7 +69,7 @@ async def test_a_caller_without_the_key_is_refused_everywhere(pd_pair: Callable[
                         InstanceInfo(pair.decode_config.instance_name, "127.0.0.1:2").to_proto(), timeout=10),
                     xllm_service_pb2_grpc.XllmRpcServiceStub(prefill).Generations(
                         pb.DisaggStreamGenerations(), timeout=10),
-                ]  # fmt: skip
+                ]
                 for call in calls:
                     with pytest.raises(grpc.aio.AioRpcError) as err:
                         await call
@@ -87,7 +87,7 @@ async def test_a_credential_is_good_once_and_only_within_the_window(pd_pair: Cal
             prefill_name = pair.prefill_config.instance_name
             credential = kit.key.credential(ADD)
             answer = await stub.AddNewRequests(_requests(prefill_name), metadata=((METADATA_KEY, credential),),
-                                               timeout=10)  # fmt: skip
+                                               timeout=10)
             assert len(answer.resps) == 1
             stale = kit.key.credential(ADD, now=time.time() - 120)
             other_method = kit.key.credential("/xllm.proto.DisaggPDService/LinkInstance")
@@ -109,7 +109,7 @@ async def test_the_http_link_routes_need_the_credential(pd_pair: Callable[..., A
         app = FastAPI()
         refused: list[str] = []
         add_link_routes(app, lambda: pair.decode.handlers, ControlGuard(pair.decode_config.cluster_key,
-                                                                     on_failure=refused.append))  # fmt: skip
+                                                                     on_failure=refused.append))
         path = "/xllm.proto.DisaggPDService/LinkInstance"
         body = {"instance_name": pair.prefill_config.instance_name, "addrs": [pair.prefill_info.transfer_address]}
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://w") as client:
@@ -129,7 +129,7 @@ async def test_a_rogue_transfer_peer_cannot_link(pd_pair: Callable[..., Any], ki
         for key in (None, ClusterKey.generate()):
             rogue = create_transport("tcp", pool.clone(), pair.decode.role._transport.layout,
                                      pair.decode_config.instance_name, pair.decode_config.instance_name,
-                                     num_connections=1, key=key)  # fmt: skip
+                                     num_connections=1, key=key)
             try:
                 with pytest.raises(LinkRefusedError, match="authentication failed") as err:
                     rogue.connect(pair.prefill_info.transfer_address, timeout=10)
@@ -201,7 +201,7 @@ async def test_a_linked_peer_touches_only_the_blocks_of_its_own_requests(pd_pair
         to_decode = pair.prefill.role.router.peers.get(pair.decode_config.instance_name)
         to_prefill = pair.decode.role.peers.get(pair.prefill_config.instance_name)
         attempts = [lambda: to_decode.push(0, [7], [9]), lambda: to_prefill.pull([7], [9]),
-                    lambda: to_decode.pull([9], [7]), lambda: to_prefill.push(0, [9], [7])]  # fmt: skip
+                    lambda: to_decode.pull([9], [7]), lambda: to_prefill.push(0, [9], [7])]
         for attempt in attempts:
             with pytest.raises(TransferError, match="not granted"):
                 await asyncio.to_thread(attempt().wait, 10)
@@ -218,7 +218,7 @@ async def test_a_decode_takes_kv_only_on_the_links_it_opened(pd_pair: Callable[.
         transport = pair.decode.role._transport
         impostor = create_transport("tcp", transport.pool.clone(), transport.layout,
                                     pair.prefill_config.instance_name, pair.prefill_config.instance_name,
-                                    num_connections=1, key=kit.key)  # fmt: skip
+                                    num_connections=1, key=kit.key)
         try:
             with pytest.raises(LinkRefusedError, match="accepts none"):
                 impostor.connect(f"127.0.0.1:{pair.decode_config.transfer_port}", timeout=10)

@@ -45,7 +45,7 @@ def test_ctrl_c_stops_both_workers(tiny_model_dir: Path, tmp_path: Path) -> None
     model = tmp_path / "model"  # a path of this test's own, to find its workers by
     model.symlink_to(tiny_model_dir)
     demo = subprocess.Popen([*DEMO, "--model", str(model), "--device", "cpu", "--log-dir", str(tmp_path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while not (tmp_path / "prefill.log").exists():
         assert time.monotonic() < deadline, "the demo started no prefill"

@@ -57,7 +57,7 @@ def cluster(processes: Any) -> Cluster:
     d1, d2, push, pull, mixed = processes.start(
         ("decode",), ("decode",), ("prefill", "--kv-transfer-mode", "PUSH"), ("prefill", "--kv-transfer-mode", "PULL"),
         ("mixed",),
-    )  # fmt: skip
+    )
     for d in (d1, d2):
         for p in (push, pull):
             assert link(d, p) is None
@@ -80,11 +80,11 @@ def complete(worker: WorkerProcess, prompt: list[int], max_tokens: int = 12, str
     client = client_of(worker)
     if not stream:
         r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                      extra_body=extra)  # fmt: skip
+                                      extra_body=extra)
         return list(getattr(r.choices[0], "token_ids"))
     tokens: list[int] = []
     for chunk in client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                           stream=True, extra_body=extra):  # fmt: skip
+                                           stream=True, extra_body=extra):
         for choice in chunk.choices:
             tokens += getattr(choice, "token_ids", None) or []
     return tokens
@@ -115,7 +115,7 @@ def test_two_prefills_two_decodes_under_concurrent_load(cluster: Cluster) -> Non
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         expected = list(pool.map(lambda p: complete(cluster.mixed, p, 16), prompts))
         got = list(pool.map(lambda ip: complete(cluster.prefills[ip[0] % 2], ip[1], 16, stream=ip[0] % 3 == 0),
-                            enumerate(prompts)))  # fmt: skip
+                            enumerate(prompts)))
     assert got == expected
     after = [d.metric("disagg_kv_transfer_bytes_total", direction="received") for d in cluster.decodes]
     assert all(a > b for a, b in zip(after, received)), "both decodes took requests"
@@ -123,7 +123,7 @@ def test_two_prefills_two_decodes_under_concurrent_load(cluster: Cluster) -> Non
 
 def test_a_decode_refuses_chat_from_clients(cluster: Cluster) -> None:
     r = httpx.post(f"{cluster.d1.base_url}/v1/chat/completions", timeout=10.0,
-                   json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
+                   json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 404
     assert "decode instance" in r.json()["error"]["message"]
 
@@ -152,7 +152,7 @@ def test_disagg_link_refuses_a_different_block_size(cluster: Cluster, lone_prefi
          "--prefill", lone_prefill.instance_name, "--prefill-transfer-port", str(lone_prefill.transfer_port),
          "--cluster-key-file", str(cluster.d1.key_file)],
         capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    )
     assert result.returncode == 1
     assert "block_size" in result.stderr and "mismatch" in result.stderr, result.stderr
     assert _ready(lone_prefill) == 503, "a refused link leaves the prefill unlinked"
@@ -208,7 +208,7 @@ def test_a_draining_prefill_is_not_ready_and_finishes_what_it_has(cluster: Clust
             assert info.value.status_code == 503 and "draining" in str(info.value)
             assert len(running.result(timeout=120)) == 200, "the request in flight finished"
             processes.wait_until(lambda: httpx.get(f"{prefill.admin_url}/drain").json()["in_flight"] == 0,
-                                 "nothing is in flight")  # fmt: skip
+                                 "nothing is in flight")
         finally:
             httpx.delete(f"{prefill.admin_url}/drain", timeout=10.0)
     assert _ready(prefill) == 200
@@ -236,7 +236,7 @@ def long_stream(processes: Any) -> Iterator[Any]:
             client = client_of(prefill)
             for chunk in client.completions.create(model=MODEL, prompt=prompt_of(13, salt=7), max_tokens=LONG,
                                                    temperature=0, stream=True,
-                                                   extra_body={"ignore_eos": True, "return_token_ids": True}):  # fmt: skip
+                                                   extra_body={"ignore_eos": True, "return_token_ids": True}):
                 for choice in chunk.choices:
                     tokens.extend(getattr(choice, "token_ids", None) or [])
 
@@ -258,7 +258,7 @@ def _ends_with_an_error(stream: Stream, *words: str) -> None:
 
 
 def test_unlink_during_a_request_fails_it_and_frees_its_blocks(cluster: Cluster, processes: Any,
-                                                              long_stream: Any) -> None:  # fmt: skip
+                                                              long_stream: Any) -> None:
     prefill = cluster.push
     assert not unlink(cluster.d2, prefill)  # the request goes to d1
     start = {w.instance_name: free_blocks(w) for w in (prefill, cluster.d1)}
@@ -276,7 +276,7 @@ def test_unlink_during_a_request_fails_it_and_frees_its_blocks(cluster: Cluster,
 
 
 def test_a_killed_decode_fails_its_requests_and_the_prefill_serves_on(cluster: Cluster, processes: Any,
-                                                                     long_stream: Any) -> None:  # fmt: skip
+                                                                     long_stream: Any) -> None:
     prefill = cluster.push
     [victim] = processes.start(("decode",))
     assert link(victim, prefill) is None
@@ -295,7 +295,7 @@ def test_a_killed_decode_fails_its_requests_and_the_prefill_serves_on(cluster: C
 
 
 def test_a_killed_prefill_frees_its_requests_on_the_decode(cluster: Cluster, processes: Any,
-                                                          long_stream: Any) -> None:  # fmt: skip
+                                                          long_stream: Any) -> None:
     decode = cluster.d1
     [victim] = processes.start(("prefill",))
     assert link(decode, victim) is None

@@ -58,10 +58,11 @@ def test_devices_and_dtypes_are_the_same_list_in_the_same_order(flag: str, key: 
 
 def test_default_ports_are_the_workers_the_pods_and_disagg_links() -> None:
     server = ServerConfig()
-    assert (server.http_port, server.grpc_port, server.transfer_port) == (v.HTTP_PORT, v.GRPC_PORT, v.TRANSFER_PORT)
+    assert (server.http_port, server.grpc_port, server.transfer_port, server.admin_port) == (
+        v.HTTP_PORT, v.GRPC_PORT, v.TRANSFER_PORT, v.ADMIN_PORT)
     pod = manifests.worker_pod_spec("decode", parse_spec({"model": {"source": "m"}}))
     ports = {p["name"]: p["containerPort"] for p in pod["containers"][0]["ports"]}
-    assert ports == {"http": v.HTTP_PORT, "grpc": v.GRPC_PORT, "transfer": v.TRANSFER_PORT}
+    assert ports == {"http": v.HTTP_PORT, "grpc": v.GRPC_PORT, "transfer": v.TRANSFER_PORT, "admin": v.ADMIN_PORT}
     link = argparse.ArgumentParser()
     add_link_arguments(link)
     args = link.parse_args(["--decode", "a:1", "--prefill", "b:2"])

@@ -44,7 +44,7 @@ async def control(args: argparse.Namespace, key: ClusterKey | None) -> dict[str,
             "add_requests": await _status(decode_stub.AddNewRequests(request, timeout=10)),
             "unlink": await _status(disagg_pd_pb2_grpc.DisaggPDServiceStub(prefill).UnlinkInstance(
                 pb.InstanceClusterInfo(instance_name=args.decode_name), timeout=10)),
-        }  # fmt: skip
+        }
         if args.stale_key_file:  # a credential of the right key, replayed after its window
             stale = ClusterKey.from_file(args.stale_key_file).credential(ADD, now=time.time() - 600)
             results["stale_add_requests"] = await _status(
@@ -59,7 +59,7 @@ def transfer(args: argparse.Namespace, key: ClusterKey | None) -> dict[str, str]
         # The handshake is refused before any layout is revealed, so a guessed one is all it can send.
         layout = KVLayout("guess", "float32", 1, 1, 1, 1, 1)
         rogue = create_transport("tcp", torch.zeros(layout.shape), layout, args.decode_name, args.decode_name,
-                                 num_connections=1, key=key)  # fmt: skip
+                                 num_connections=1, key=key)
         try:
             rogue.connect(address, timeout=10)
             results[attempt] = "linked"

@@ -15,7 +15,7 @@ DISAGG = [sys.executable, "-m", "disagg.workers"]
     ["serve", "--role", "prefill", "--model", "builtin:smollm2-135m"],
     ["link", "--decode", "127.0.0.1:1", "--prefill", "127.0.0.1:2"],
     ["unlink", "--decode", "127.0.0.1:1", "--prefill", "127.0.0.1:2"],
-], ids=["serve", "link", "unlink"])  # fmt: skip
+], ids=["serve", "link", "unlink"])
 def test_no_key_and_no_insecure_is_a_clear_error(command: list[str]) -> None:
     env = {k: v for k, v in os.environ.items() if k != "DISAGG_CLUSTER_KEY_FILE"}
     result = subprocess.run([*DISAGG, *command], capture_output=True, text=True, timeout=60, env=env)

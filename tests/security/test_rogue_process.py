@@ -20,7 +20,7 @@ from disagg.workers.security.key import ClusterKey
 
 ROGUE = Path(__file__).with_name("rogue.py")
 ENGINE_ARGS = ("--device", "cpu", "--block-size", "4", "--num-kv-blocks", "64", "--max-model-len", "128",
-               "--served-model-name", "tiny")  # fmt: skip
+               "--served-model-name", "tiny")
 STARTUP_S = 180.0
 
 
@@ -30,7 +30,7 @@ def keyed_pair(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
     key_file = folder / "cluster.key"
     ClusterKey.generate().write(key_file)
     workers = [spawn_worker(role, str(tiny_model_dir), folder / f"{role}.log", ENGINE_ARGS,
-                            env={"OMP_NUM_THREADS": "1"}, key_file=key_file) for role in ("decode", "prefill")]  # fmt: skip
+                            env={"OMP_NUM_THREADS": "1"}, key_file=key_file) for role in ("decode", "prefill")]
     try:
         for worker in workers:
             worker.wait_loaded(STARTUP_S)
@@ -43,7 +43,7 @@ def keyed_pair(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 def _complete(prefill: WorkerProcess) -> list[int]:
     body = {"model": "tiny", "prompt": [5, 9, 13, 17], "max_tokens": 4, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True}  # fmt: skip
+            "return_token_ids": True}
     answer = httpx.post(f"{prefill.base_url}/v1/completions", json=body, timeout=60)
     assert answer.status_code == 200, answer.text
     return list(answer.json()["choices"][0]["token_ids"])
@@ -52,13 +52,13 @@ def _complete(prefill: WorkerProcess) -> list[int]:
 def _rogue(decode: WorkerProcess, prefill: WorkerProcess, *extra: str) -> dict[str, str]:
     command = [sys.executable, str(ROGUE), "--decode", f"127.0.0.1:{decode.grpc_port}",
                "--prefill", f"127.0.0.1:{prefill.grpc_port}", "--prefill-transfer", prefill.transfer_address,
-               "--decode-transfer", decode.transfer_address, "--decode-name", decode.instance_name, *extra]  # fmt: skip
+               "--decode-transfer", decode.transfer_address, "--decode-name", decode.instance_name, *extra]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
 def test_a_rogue_process_without_the_key_gets_nothing(keyed_pair: tuple[WorkerProcess, ...],
-                                                       tmp_path: Path) -> None:  # fmt: skip
+                                                       tmp_path: Path) -> None:
     decode, prefill = keyed_pair
     reference = _complete(prefill)
     free = [w.metric("disagg_kv_blocks_free") for w in keyed_pair]
@@ -79,10 +79,10 @@ def test_a_rogue_process_without_the_key_gets_nothing(keyed_pair: tuple[WorkerPr
 
 
 def test_insecure_is_said_at_start_and_in_health(keyed_pair: tuple[WorkerProcess, ...], tiny_model_dir: Path,
-                                                 tmp_path: Path) -> None:  # fmt: skip
+                                                 tmp_path: Path) -> None:
     assert httpx.get(f"{keyed_pair[0].base_url}/health", timeout=10).json()["insecure"] is False
     worker = spawn_worker("decode", str(tiny_model_dir), tmp_path / "insecure.log", ENGINE_ARGS,
-                          env={"OMP_NUM_THREADS": "1"}, key_file=None)  # fmt: skip
+                          env={"OMP_NUM_THREADS": "1"}, key_file=None)
     try:
         worker.wait_loaded(STARTUP_S)
         assert httpx.get(f"{worker.base_url}/health", timeout=10).json()["insecure"] is True

@@ -28,7 +28,7 @@ IO_TIMEOUT_S = 1.0
 def listening(**options: object) -> Iterator[tuple[KVTransport, tuple[str, int]]]:
     pool = torch.zeros(LAYOUT.shape, dtype=LAYOUT.torch_dtype)
     transport = create_transport("tcp", pool, LAYOUT, "prefill-l", "127.0.0.1:1", io_timeout=IO_TIMEOUT_S,
-                                 **options)  # fmt: skip
+                                 **options)
     try:
         host, port = transport.start("127.0.0.1", 0).rsplit(":", 1)
         yield transport, (host, int(port))

@@ -43,7 +43,7 @@ class RawLink:
         me = PeerInfo(f"raw-{uuid.uuid4().hex[:6]}", "127.0.0.1:9", layout)
         checksums = [int(k) for k in supported_checksums()]
         reply, _ = initiate(self.sock, Hello(me, "tcp", uuid.uuid4().hex, 0, 1, checksums), None,
-                            time.monotonic() + WAIT_S)  # fmt: skip
+                            time.monotonic() + WAIT_S)
         assert reply.ok, reply.reason
         self.checksum = ChecksumKind(reply.checksum)
         self.sock.settimeout(WAIT_S)

@@ -140,7 +140,7 @@ class AsyncEngine(Generic[E]):
     # --- requests -----------------------------------------------------------
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 hold_after_first_token: bool = False) -> AsyncIterator[RequestOutput]:  # fmt: skip
+                 hold_after_first_token: bool = False) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs until the finished one.
 
         With `hold_after_first_token` the stream ends after the first token
@@ -295,7 +295,7 @@ class AsyncEngine(Generic[E]):
                     self.engine.admit_request(command.request_id, command.token_id)
                 else:
                     self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
-                                            command.hold_after_first_token)  # fmt: skip
+                                            command.hold_after_first_token)
             except ValueError as exc:
                 self._deliver(command.request_id, exc)
 

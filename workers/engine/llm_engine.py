@@ -118,7 +118,7 @@ class LLMEngine:
             raise ValueError("stop strings must not be empty")
 
     def new_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    hold_after_first_token: bool = False) -> Request:  # fmt: skip
+                    hold_after_first_token: bool = False) -> Request:
         """A checked request with its detokenizer, not yet known to the scheduler.
         Reads only fixed settings, so any thread may call it."""
         self.check_request(prompt_token_ids, params)
@@ -126,10 +126,10 @@ class LLMEngine:
         if self.tokenizer is not None:
             detokenizer = self.tokenizer.detokenizer(prompt_token_ids, params.skip_special_tokens)
         return Request(request_id, prompt_token_ids, params, self.config.block_size, detokenizer,
-                       device=self.model_runner.device, hold_after_first_token=hold_after_first_token)  # fmt: skip
+                       device=self.model_runner.device, hold_after_first_token=hold_after_first_token)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    hold_after_first_token: bool = False) -> None:  # fmt: skip
+                    hold_after_first_token: bool = False) -> None:
         request = self.new_request(request_id, prompt_token_ids, params, hold_after_first_token)
         self._check_unused(request_id)
         self.scheduler.add(request)

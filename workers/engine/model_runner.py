@@ -38,7 +38,7 @@ class ModelRunner:
         self.sampler = Sampler(device, seed)
 
     def execute(self, scheduled: SchedulerOutput,
-                on_layer_written: Callable[[int], None] | None = None) -> list[SampledToken]:  # fmt: skip
+                on_layer_written: Callable[[int], None] | None = None) -> list[SampledToken]:
         """Run one step; a token for each request whose prompt (or recompute)
         is complete after it. Call before the scheduler's `update`."""
         if scheduled.is_empty:

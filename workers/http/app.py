@@ -144,7 +144,7 @@ def build_admin_app(state: AppState, check: RequestCheck | None = None) -> FastA
     port is trusted, as reachable only by the cluster (the chart's NetworkPolicy).
     """
     app = FastAPI(title="disagg worker admin", docs_url=None, redoc_url=None, openapi_url=None,
-                  dependencies=[Depends(check)] if check else [])  # fmt: skip
+                  dependencies=[Depends(check)] if check else [])
     install_error_handlers(app)
     _add_metrics_route(app, state)
 
@@ -209,7 +209,7 @@ async def _answer(state: AppState, kind: type[CompletionRequest | ChatCompletion
     call = Call(
         "chat" if is_chat else "completion", random_id("chatcmpl" if is_chat else "cmpl"), serving.backend.model.name,
         prepared, body.return_token_ids, include_usage=bool(body.stream_options and body.stream_options.include_usage),
-    )  # fmt: skip
+    )
     wait_disconnect = _disconnect_waiter(request)
     # Each of n choices is a sequence in the engine.
     state.admission.enter(prepared.params.n)

@@ -20,7 +20,7 @@ class APIError(Exception):
     """An error to answer with, at the status and OpenAI type it names."""
 
     def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error", param: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:  # fmt: skip
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
@@ -75,7 +75,7 @@ class BodyTooLarge(APIError):
 class Overloaded(APIError):
     def __init__(self, limit: int, retry_after_s: int) -> None:
         super().__init__(f"the server is at its limit of {limit} requests in flight; retry after {retry_after_s} s",
-                         429, "rate_limit_error", headers={"Retry-After": str(retry_after_s)})  # fmt: skip
+                         429, "rate_limit_error", headers={"Retry-After": str(retry_after_s)})
 
 
 def error_response(message: str, status: int, type: str, param: str | None = None) -> JSONResponse:

@@ -164,7 +164,7 @@ class OpenAIServing:
                     )
                     for c in choices
                 ],
-            )  # fmt: skip
+            )
         return CompletionResponse(
             id=call.request_id, model=call.model_name, usage=usage,
             choices=[
@@ -178,7 +178,7 @@ class OpenAIServing:
                 )
                 for c in choices
             ],
-        )  # fmt: skip
+        )
 
     # --- server-sent events ---------------------------------------------
 
@@ -220,7 +220,7 @@ class OpenAIServing:
                 call, choice, ChatDelta(content=out.new_text),
                 logprobs=self._chat_logprobs(new_logprobs) if call.wants_logprobs else None,
                 finish_reason=finish, stop_reason=stop_reason, token_ids=token_ids,
-            )  # fmt: skip
+            )
         offset = len(choice.text) - len(out.new_text)
         return CompletionResponse(
             id=call.request_id, model=call.model_name,
@@ -231,14 +231,14 @@ class OpenAIServing:
                     finish_reason=finish, stop_reason=stop_reason, token_ids=token_ids,
                 )
             ],
-        )  # fmt: skip
+        )
 
     @staticmethod
     def _chat_chunk(call: Call, choice: Choice, delta: ChatDelta, **fields: object) -> ChatCompletionChunk:
         return ChatCompletionChunk(
             id=call.request_id, model=call.model_name,
             choices=[ChatChunkChoice(index=choice.index, delta=delta, **fields)],  # type: ignore[arg-type]
-        )  # fmt: skip
+        )
 
     # --- logprobs -------------------------------------------------------
 

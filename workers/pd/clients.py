@@ -93,7 +93,7 @@ class PeerClients:
             self._channels[address] = control_channel(
                 address, self._key,
                 [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)],
-            )  # fmt: skip
+            )
         return self._channels[address]
 
     async def add_new_requests(self, decode: str, prefill_name: str, reqs: list[NewRequest]) -> list[Reservation]:

@@ -31,7 +31,7 @@ def add_link_arguments(p: argparse.ArgumentParser) -> None:
 
 
 async def _call(target: str, method: str, instance: str, transfer_port: int, timeout: float,
-                key: ClusterKey | None) -> str | None:  # fmt: skip
+                key: ClusterKey | None) -> str | None:
     """One LinkInstance/UnlinkInstance on `target` with `instance`'s info, signed with `key`; the error, or None."""
     import grpc
 
@@ -53,20 +53,20 @@ async def _call(target: str, method: str, instance: str, transfer_port: int, tim
 
 
 def link_call(decode: str, prefill: str, prefill_transfer_port: int, timeout: float,
-              key: ClusterKey | None) -> str | None:  # fmt: skip
+              key: ClusterKey | None) -> str | None:
     """LinkInstance on the decode, payload = the prefill; the refusal's reason, or None."""
     return asyncio.run(_call(decode, "LinkInstance", prefill, prefill_transfer_port, timeout, key))
 
 
 def unlink_calls(decode: str, decode_transfer_port: int, prefill: str, prefill_transfer_port: int,
-                 timeout: float, key: ClusterKey | None) -> list[str]:  # fmt: skip
+                 timeout: float, key: ClusterKey | None) -> list[str]:
     """UnlinkInstance on both sides at once; the errors, each naming its side."""
 
     async def both() -> list[str | None]:
         return list(await asyncio.gather(
             _call(decode, "UnlinkInstance", prefill, prefill_transfer_port, timeout, key),
             _call(prefill, "UnlinkInstance", decode, decode_transfer_port, timeout, key),
-        ))  # fmt: skip
+        ))
 
     answers = asyncio.run(both())
     return [f"{side}: {error}" for side, error in zip((decode, prefill), answers) if error]
@@ -100,7 +100,7 @@ def run_unlink(args: argparse.Namespace) -> int:
     if code:
         return code
     errors = unlink_calls(args.decode, args.decode_transfer_port, args.prefill, args.prefill_transfer_port,
-                          args.timeout, key)  # fmt: skip
+                          args.timeout, key)
     for error in errors:
         print(f"disagg unlink: {error}", file=sys.stderr)
     if not errors:

@@ -31,7 +31,7 @@ def request_to_proto(req: NewRequest) -> pb.DisaggRequest:
         temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, logprobs=p.logprobs is not None,
         top_logprobs=p.logprobs or 0, skip_special_tokens=p.skip_special_tokens,
         source_xservice_addr=req.source_addr,
-    )  # fmt: skip
+    )
 
 
 def request_from_proto(msg: pb.DisaggRequest) -> NewRequest:
@@ -56,7 +56,7 @@ def request_from_proto(msg: pb.DisaggRequest) -> NewRequest:
         repetition_penalty=msg.repetition_penalty or 1.0, stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos, logprobs=int(msg.top_logprobs) if msg.logprobs else None,
         skip_special_tokens=msg.skip_special_tokens,
-    )  # fmt: skip
+    )
     return NewRequest(msg.req_id, list(msg.prompt_tokens), params, msg.source_xservice_addr)
 
 
@@ -71,7 +71,7 @@ def sampling_extras_metadata(reqs: Sequence[NewRequest]) -> tuple[tuple[str, str
     extras = {}
     for r in reqs:
         fields = {name: value for name, default in _EXTRA_DEFAULTS.items()
-                  if (value := getattr(r.params, name)) != default}  # fmt: skip
+                  if (value := getattr(r.params, name)) != default}
         if fields:
             extras[r.req_id] = fields
     return ((SAMPLING_EXTRAS_KEY, json.dumps(extras)),) if extras else ()
@@ -127,7 +127,7 @@ def first_token_to_proto(ft: FirstToken) -> pb.DisaggGenerationsRequest:
         token.top_tokens.extend(t for t, _ in ft.logprob.top)
         token.top_logprobs.extend(v for _, v in ft.logprob.top)
     msg = pb.DisaggGenerationsRequest(req_id=ft.req_id, tokens=[token], kv_cache_transfer_mode=ft.mode.value,
-                                      dp_size=1, dp_rank=0)  # fmt: skip
+                                      dp_size=1, dp_rank=0)
     if ft.mode is TransferMode.PULL:
         msg.addrs.append(ft.prefill_transfer_address)
         msg.cluster_ids.append(cluster_id(ft.prefill_transfer_address))
@@ -154,7 +154,7 @@ def first_token_from_proto(msg: pb.DisaggGenerationsRequest) -> FirstToken:
             raise ValueError(f"request {msg.req_id}: PULL needs the prefill's addrs or cluster_ids")
         address = found
     return FirstToken(msg.req_id, int(token.token_id), logprob, mode, token.time_to_first_token_latency_seconds,
-                      address, tuple(msg.block_ids))  # fmt: skip
+                      address, tuple(msg.block_ids))
 
 
 # --- the token stream -----------------------------------------------------------
@@ -162,18 +162,18 @@ def first_token_from_proto(msg: pb.DisaggGenerationsRequest) -> FirstToken:
 
 def output_to_proto(out: RequestOutput) -> pb.DisaggStreamGeneration:
     seq = pb.SequenceOutput(index=0, text=out.new_text, token_ids=out.new_token_ids,
-                            finish_reason=out.finish_reason.value if out.finish_reason else "")  # fmt: skip
+                            finish_reason=out.finish_reason.value if out.finish_reason else "")
     for lp in out.new_logprobs or ():
         seq.logprobs.append(pb.LogProb(
             log_prob_data=pb.LogProbData(token_id=lp.token_id, logprob=lp.logprob),
             top_logprobs=[pb.LogProbData(token_id=t, logprob=v) for t, v in lp.top],
-        ))  # fmt: skip
+        ))
     gen = pb.DisaggStreamGeneration(req_id=out.request_id, service_req_id=out.request_id, outputs=[seq],
-                                    finished=out.finished, gen_status=pb.GenerationStatus(status_code=200))  # fmt: skip
+                                    finished=out.finished, gen_status=pb.GenerationStatus(status_code=200))
     if out.finished:
         gen.usage.CopyFrom(pb.OutputUsage(num_prompt_tokens=out.num_prompt_tokens,
                                           num_generated_tokens=out.num_output_tokens,
-                                          num_total_tokens=out.num_prompt_tokens + out.num_output_tokens))  # fmt: skip
+                                          num_total_tokens=out.num_prompt_tokens + out.num_output_tokens))
     return gen
 
 
@@ -198,4 +198,4 @@ def output_from_proto(gen: pb.DisaggStreamGeneration) -> RequestOutput:
         request_id=gen.req_id, new_token_ids=token_ids, new_text="", finished=gen.finished,
         finish_reason=finish_reason if gen.finished else None, num_prompt_tokens=gen.usage.num_prompt_tokens,
         num_output_tokens=gen.usage.num_generated_tokens, new_logprobs=logprobs or None,
-    )  # fmt: skip
+    )

@@ -63,7 +63,7 @@ def merge_outputs(outputs: Sequence[RequestOutput]) -> RequestOutput:
         new_text="".join(o.new_text for o in outputs), finished=last.finished, finish_reason=last.finish_reason,
         num_prompt_tokens=last.num_prompt_tokens, num_output_tokens=last.num_output_tokens,
         num_cached_tokens=last.num_cached_tokens, new_logprobs=logprobs or None, stop_reason=last.stop_reason,
-    )  # fmt: skip
+    )
 
 
 class DecodeRole(EngineHealth["AsyncEngine[LLMEngine]"]):
@@ -75,7 +75,7 @@ class DecodeRole(EngineHealth["AsyncEngine[LLMEngine]"]):
     """
 
     def __init__(self, engine: AsyncEngine[LLMEngine], tokenizer: Tokenizer, model: ModelInfo, transport: KVTransport,
-                 clients: PeerClients, metrics: WorkerMetrics, config: PDConfig) -> None:  # fmt: skip
+                 clients: PeerClients, metrics: WorkerMetrics, config: PDConfig) -> None:
         super().__init__(engine, tokenizer, model)
         self._transport = transport
         self._clients = clients
@@ -114,7 +114,7 @@ class DecodeRole(EngineHealth["AsyncEngine[LLMEngine]"]):
             return
         try:
             session = await asyncio.to_thread(self._transport.connect, info.transfer_address,
-                                              self._config.link_timeout_s, info.name)  # fmt: skip
+                                              self._config.link_timeout_s, info.name)
         except LinkRefusedError as exc:
             raise LinkRefused(str(exc)) from exc
         except TransferTimeout as exc:
@@ -165,7 +165,7 @@ class DecodeRole(EngineHealth["AsyncEngine[LLMEngine]"]):
             raise UnknownRequest(f"no reserved request {first.req_id!r} waits for its first token here")
         if not 0 <= first.token_id < self.model.vocab_size:  # it would fail the next step of every request
             await self.refuse_first(first.req_id, f"first token id {first.token_id} is outside the vocabulary "
-                                                  f"[0, {self.model.vocab_size})")  # fmt: skip
+                                                  f"[0, {self.model.vocab_size})")
         inc.started = True
         self._transport.access.revoke(first.req_id)
         try:
@@ -192,7 +192,7 @@ class DecodeRole(EngineHealth["AsyncEngine[LLMEngine]"]):
             raise PeerUnavailable(f"the data path to prefill {inc.prefill} is closed")
         if len(first.prefill_block_ids) != len(inc.block_ids):
             raise InvalidMessage(f"request {inc.req.req_id}: {len(first.prefill_block_ids)} prefill blocks for "
-                                 f"{len(inc.block_ids)} reserved blocks")  # fmt: skip
+                                 f"{len(inc.block_ids)} reserved blocks")
         started = time.monotonic()
         try:
             handle = session.pull(first.prefill_block_ids, inc.block_ids)
@@ -241,7 +241,7 @@ class DecodeRole(EngineHealth["AsyncEngine[LLMEngine]"]):
                 request_id=inc.req.req_id, new_token_ids=[], new_text="", finished=True,
                 finish_reason=FinishReason.ABORT, num_prompt_tokens=len(inc.req.prompt_token_ids),
                 num_output_tokens=0,
-            )  # fmt: skip
+            )
 
     async def _drop(self, req_id: str, reason: str) -> None:
         inc = self._incoming.pop(req_id, None)

@@ -70,7 +70,7 @@ class PrefillRole(EngineHealth["AsyncEngine[LLMEngine]"]):
 
     def __init__(self, engine: AsyncEngine[LLMEngine], tokenizer: Tokenizer, model: ModelInfo,
                  transport: KVTransport, clients: PeerClients, metrics: WorkerMetrics, config: PDConfig,
-                 instance_name: str, transfer_address: str, mode: TransferMode) -> None:  # fmt: skip
+                 instance_name: str, transfer_address: str, mode: TransferMode) -> None:
         super().__init__(engine, tokenizer, model)
         self._transport = transport
         self._clients = clients
@@ -134,7 +134,7 @@ class PrefillRole(EngineHealth["AsyncEngine[LLMEngine]"]):
         return dataclasses.replace(s, requests_running=max(s.requests_running, len(self.relay) - s.requests_waiting))
 
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:  # fmt: skip
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """Raises ValueError for a request the engine can never run, a
         `RequestFailed` when the PD flow cannot complete it."""
         prompt = list(prompt_token_ids)
@@ -181,7 +181,7 @@ class PrefillRole(EngineHealth["AsyncEngine[LLMEngine]"]):
             await asyncio.shield(self._release(call))
         if error is not None:
             call.stream.put(error if isinstance(error, RequestFailed)
-                            else DecodeFailed(f"request {call.req_id} failed: {error}"))  # fmt: skip
+                            else DecodeFailed(f"request {call.req_id} failed: {error}"))
 
     async def _prefill(self, call: _Call, route: Route) -> FirstToken:
         """Run the prompt here (pushing its KV in PUSH mode) and stream the first token."""
@@ -209,7 +209,7 @@ class PrefillRole(EngineHealth["AsyncEngine[LLMEngine]"]):
         blocks = await self._engine.block_ids(call.req_id)
         self._transport.access.allow(route.decode, call.req_id, blocks, Access.READ)  # its pull, until released
         return FirstToken(call.req_id, token_id, logprob, TransferMode.PULL, ttft, self._transfer_address,
-                          tuple(blocks))  # fmt: skip
+                          tuple(blocks))
 
     async def _release(self, call: _Call) -> None:
         """Free the prompt blocks the engine held after the hand-off."""

@@ -41,7 +41,7 @@ class DecodeRouter:
     """The decodes linked to this prefill, and how many requests each has from us."""
 
     def __init__(self, clients: PeerClients, metrics: WorkerMetrics, config: PDConfig, instance_name: str,
-                 on_lost: Callable[[str, str], Awaitable[None]]) -> None:  # fmt: skip
+                 on_lost: Callable[[str, str], Awaitable[None]]) -> None:
         self._clients = clients
         self._config = config
         self._name = instance_name
@@ -95,7 +95,7 @@ class DecodeRouter:
                     return Route(name, address, answer.block_ids)
                 if answer.status is Admission.TOO_LARGE:
                     raise PromptNeverFits(f"the prompt of {len(request.prompt_token_ids)} tokens can never fit "
-                                          f"the KV cache of decode {name}")  # fmt: skip
+                                          f"the KV cache of decode {name}")
                 if answer.status is Admission.REFUSED:
                     raise RequestRefused(f"decode {name} refused the request (500)")
                 reason = f"no decode had free KV blocks within {self._config.reserve_timeout_s:.0f} s"

@@ -86,7 +86,7 @@ class Handlers:
     def require_link(self) -> LinkHandler:
         if self.link is None:
             raise errors.WrongRole(f"this is a {self.role} instance; links are made on the decode: "
-                                   "call LinkInstance on it with this instance's info")  # fmt: skip
+                                   "call LinkInstance on it with this instance's info")
         return self.link
 
     def require_intake(self, method: str) -> Intake:
@@ -136,7 +136,7 @@ class DisaggPDServicer(disagg_pd_pb2_grpc.DisaggPDServiceServicer):
         return pb.DisaggResponses(resps=[convert.reservation_to_proto(r) for r in ordered])
 
     async def FirstGeneration(self, request: pb.DisaggGenerationsRequests,
-                              context: grpc.aio.ServicerContext) -> common_pb2.Status:  # fmt: skip
+                              context: grpc.aio.ServicerContext) -> common_pb2.Status:
         intake = await _answer(context, self._require_intake("FirstGeneration"))
         if not request.multi_gens:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "multi_gens is empty")
@@ -150,7 +150,7 @@ class DisaggPDServicer(disagg_pd_pb2_grpc.DisaggPDServiceServicer):
         return common_pb2.Status(ok=True)
 
     async def MultiGenerations(self, request: pb.DisaggGenerationsRequests,
-                               context: grpc.aio.ServicerContext) -> common_pb2.Status:  # fmt: skip
+                               context: grpc.aio.ServicerContext) -> common_pb2.Status:
         await context.abort(grpc.StatusCode.UNIMPLEMENTED,
                             "MultiGenerations (online/offline co-location) is not supported by this worker")
         raise AssertionError("context.abort raises")
@@ -166,7 +166,7 @@ class DisaggPDServicer(disagg_pd_pb2_grpc.DisaggPDServiceServicer):
         return common_pb2.Status(ok=True)
 
     async def UnlinkInstance(self, request: pb.InstanceClusterInfo,
-                             context: grpc.aio.ServicerContext) -> common_pb2.Status:  # fmt: skip
+                             context: grpc.aio.ServicerContext) -> common_pb2.Status:
         info = await _answer(context, lambda: _parse_info(request))
         await _answer(context, lambda: _link(self._handlers, info, False))
         return common_pb2.Status(ok=True)
@@ -210,12 +210,12 @@ async def _parse_info(msg: pb.InstanceClusterInfo) -> InstanceInfo:
 
 
 def build_grpc_server(handlers: Handlers, address: str, max_message_bytes: int,
-                      guard: ControlGuard) -> grpc.aio.Server:  # fmt: skip
+                      guard: ControlGuard) -> grpc.aio.Server:
     """An asyncio gRPC server of a role's handlers on `address` (not started); `guard` checks every call first."""
     server = grpc.aio.server(interceptors=[AuthInterceptor(guard)], options=[
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
-    ])  # fmt: skip
+    ])
     disagg_pd_pb2_grpc.add_DisaggPDServiceServicer_to_server(DisaggPDServicer(handlers), server)
     if handlers.generations is not None:
         xllm_service_pb2_grpc.add_XllmRpcServiceServicer_to_server(XllmRpcServicer(handlers.generations), server)

@@ -33,7 +33,7 @@ class PDWorker:
     """A role plus its gRPC server."""
 
     def __init__(self, role: PrefillRole | DecodeRole, backend: Backend | None, server_config: ServerConfig,
-                 config: PDConfig, guard: ControlGuard) -> None:  # fmt: skip
+                 config: PDConfig, guard: ControlGuard) -> None:
         self.role = role
         self._backend = backend
         self._guard = guard
@@ -83,30 +83,30 @@ class _Parts:
 
 
 def build_prefill(engine_config: EngineConfig, server_config: ServerConfig,
-                  metrics: WorkerMetrics, config: PDConfig | None = None) -> PDWorker:  # fmt: skip
+                  metrics: WorkerMetrics, config: PDConfig | None = None) -> PDWorker:
     """A prefill worker: its role is also the client completion Backend."""
     parts = _load(engine_config, server_config, metrics, config)
     loaded = parts.loaded
     mode = TransferMode(server_config.kv_transfer_mode.value)
     role = PrefillRole(loaded.engine, loaded.tokenizer, loaded.model, parts.transport, parts.clients, metrics,
-                       parts.config, server_config.instance_name, parts.transfer_address, mode)  # fmt: skip
+                       parts.config, server_config.instance_name, parts.transfer_address, mode)
     loaded.engine.start()  # after the role installed its layer hook
     return PDWorker(role, role, server_config, parts.config, parts.guard)
 
 
 def build_decode(engine_config: EngineConfig, server_config: ServerConfig,
-                 metrics: WorkerMetrics, config: PDConfig | None = None) -> PDWorker:  # fmt: skip
+                 metrics: WorkerMetrics, config: PDConfig | None = None) -> PDWorker:
     """A decode worker: no completion Backend."""
     parts = _load(engine_config, server_config, metrics, config)
     loaded = parts.loaded
     role = DecodeRole(loaded.engine, loaded.tokenizer, loaded.model, parts.transport, parts.clients, metrics,
-                      parts.config)  # fmt: skip
+                      parts.config)
     loaded.engine.start()
     return PDWorker(role, None, server_config, parts.config, parts.guard)
 
 
 def _load(engine_config: EngineConfig, server_config: ServerConfig, metrics: WorkerMetrics,
-          config: PDConfig | None) -> _Parts:  # fmt: skip
+          config: PDConfig | None) -> _Parts:
     """Load the model (not started yet) and start the transfer listener."""
     config = config or PDConfig()
     loaded = load_engine(engine_config, server_config.served_model_name)
@@ -120,7 +120,7 @@ def _load(engine_config: EngineConfig, server_config: ServerConfig, metrics: Wor
                                  num_connections=connections, key=key,
                                  on_auth_failure=lambda: metrics.count_auth_failure("transfer"),
                                  access=BlockAccess(on_refused=lambda: metrics.count_auth_failure("transfer")),
-                                 accepts_links=server_config.role is Role.PREFILL)  # a decode opens its own  # fmt: skip
+                                 accepts_links=server_config.role is Role.PREFILL)  # a decode opens its own
     bound = transport.start(server_config.host, server_config.transfer_port)
     transfer_address = f"{server_config.instance_host}:{bound.rpartition(':')[2]}"
     guard = ControlGuard(key, server_config.allow_anonymous_peers, metrics.count_auth_failure)

@@ -35,7 +35,7 @@ class ControlGuard:
     """
 
     def __init__(self, key: ClusterKey | None, allow_anonymous: bool = False,
-                 on_failure: Callable[[str], None] | None = None) -> None:  # fmt: skip
+                 on_failure: Callable[[str], None] | None = None) -> None:
         self.key = key
         self.allow_anonymous = allow_anonymous
         self._verifier = CredentialVerifier(key) if key is not None else None
@@ -74,7 +74,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
     async def intercept_service(
         self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:  # fmt: skip
+    ) -> grpc.RpcMethodHandler:
         metadata = dict(details.invocation_metadata or ())  # type: ignore[attr-defined]
         credential = metadata.get(METADATA_KEY)
         method: str = details.method  # type: ignore[attr-defined]
@@ -91,18 +91,18 @@ class CredentialInterceptor(grpc.aio.UnaryUnaryClientInterceptor):
         self._key = key
 
     async def intercept_unary_unary(self, continuation: Any, details: grpc.aio.ClientCallDetails,
-                                    request: Any) -> Any:  # fmt: skip
+                                    request: Any) -> Any:
         method = details.method.decode() if isinstance(details.method, bytes) else str(details.method)
         metadata = grpc.aio.Metadata(*(details.metadata or ()))
         metadata.add(METADATA_KEY, self._key.credential(method))
         signed = grpc.aio.ClientCallDetails(method=details.method, timeout=details.timeout, metadata=metadata,
                                             credentials=details.credentials,
-                                            wait_for_ready=details.wait_for_ready)  # fmt: skip
+                                            wait_for_ready=details.wait_for_ready)
         return await continuation(signed, request)
 
 
 def control_channel(address: str, key: ClusterKey | None,
-                    options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:  # fmt: skip
+                    options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
     """A channel to a worker's gRPC port whose calls carry credentials of `key` (None: none)."""
     interceptors = [CredentialInterceptor(key)] if key is not None else None
     return grpc.aio.insecure_channel(address, options=list(options), interceptors=interceptors)

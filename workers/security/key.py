@@ -101,7 +101,7 @@ class CredentialVerifier:
     """
 
     def __init__(self, key: ClusterKey, max_skew_s: float = DEFAULT_MAX_SKEW_S,
-                 clock: Callable[[], float] = time.time) -> None:  # fmt: skip
+                 clock: Callable[[], float] = time.time) -> None:
         if max_skew_s <= 0:
             raise ValueError(f"max_skew_s must be positive, got {max_skew_s}")
         self._key = key

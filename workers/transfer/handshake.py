@@ -112,7 +112,7 @@ class Reply:
 
     def to_json(self) -> dict[str, Any]:
         body: dict[str, Any] = {"ok": self.ok, "reason": self.reason, "checksum": self.checksum,
-                                "extras": self.extras, "proof": self.proof}  # fmt: skip
+                                "extras": self.extras, "proof": self.proof}
         if self.peer is not None:
             body.update(name=self.peer.name, grpc_address=self.peer.grpc_address, layout=self.peer.layout.to_dict())
         return body
@@ -124,7 +124,7 @@ class Reply:
             if "layout" in body:
                 peer = PeerInfo(str(body["name"]), str(body["grpc_address"]), KVLayout.from_dict(body["layout"]))
             return cls(bool(body["ok"]), str(body["reason"]), peer, int(body["checksum"]), dict(body["extras"]),
-                       str(body["proof"]))  # fmt: skip
+                       str(body["proof"]))
         except (KeyError, TypeError, ValueError) as exc:
             raise HandshakeError(f"malformed REPLY: {exc}") from exc
 
