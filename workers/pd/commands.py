@@ -11,10 +11,10 @@ import asyncio
 import sys
 from typing import TYPE_CHECKING
 
+from disagg.proto.vocabulary import TRANSFER_PORT, InstanceInfo
+
 if TYPE_CHECKING:
     from disagg.workers.security.key import ClusterKey
-
-from disagg.proto.vocabulary import TRANSFER_PORT, InstanceInfo
 
 
 def add_link_arguments(p: argparse.ArgumentParser) -> None:
