@@ -72,10 +72,10 @@ class Shell:
     def watch_until_available(self, timeout_s: float) -> None:
         """`kubectl get dc -w`, shown live, until `kubectl wait` sees the cluster Available."""
         print(f"$ kubectl get dc -w   (until {CLUSTER} is Available, at most {timeout_s:.0f} s)", flush=True)
-        watch = subprocess.Popen(["kubectl", "get", "dc", "-w"], env=self.env, stdout=sys.stdout,
+        watch = subprocess.Popen(["kubectl", "get", "dc", "-n", RELEASE_NAMESPACE, "-w"], env=self.env, stdout=sys.stdout,
                                  stderr=subprocess.STDOUT)
         try:
-            self.run("kubectl", "wait", f"dc/{CLUSTER}", "--for=jsonpath={.status.available}=True",
+            self.run("kubectl", "wait", "-n", RELEASE_NAMESPACE, f"dc/{CLUSTER}", "--for=jsonpath={.status.available}=True",
                      f"--timeout={int(timeout_s)}s", timeout_s=timeout_s + 30, show=False)
         finally:
             watch.terminate()
@@ -88,12 +88,13 @@ def _chat(shell: Shell, timeout_s: float) -> str:
     NOTE: the local cluster has no kube-proxy, so a ClusterIP routes nowhere;
     the demo resolves the Service to what it selects, as kube-proxy would.
     """
-    selector = shell.run("kubectl", "get", "svc", CLUSTER, "-o",
+    selector = shell.run("kubectl", "get", "svc", CLUSTER, "-n", RELEASE_NAMESPACE, "-o",
                          "go-template={{range $k, $v := .spec.selector}}{{$k}}={{$v}},{{end}}").strip(",")
-    ip = shell.run("kubectl", "get", "pods", "-l", selector, "-o", "jsonpath={.items[0].status.podIP}")
-    port = shell.run("kubectl", "get", "svc", CLUSTER, "-o", "jsonpath={.spec.ports[0].targetPort}")
+    ip = shell.run("kubectl", "get", "pods", "-n", RELEASE_NAMESPACE, "-l", selector, "-o",
+                   "jsonpath={.items[0].status.podIP}")
+    port = shell.run("kubectl", "get", "svc", CLUSTER, "-n", RELEASE_NAMESPACE, "-o", "jsonpath={.spec.ports[0].targetPort}")
     if not port.isdigit():  # a named port: the prefill container's
-        port = shell.run("kubectl", "get", "pods", "-l", selector, "-o",
+        port = shell.run("kubectl", "get", "pods", "-n", RELEASE_NAMESPACE, "-l", selector, "-o",
                          f"jsonpath={{.items[0].spec.containers[0].ports[?(@.name==\"{port}\")].containerPort}}")
     url = f"http://{ip.strip()}:{port.strip()}/v1/chat/completions"
     body = {"model": CLUSTER, "messages": [{"role": "user", "content": "What is the capital of France?"}],
@@ -121,18 +122,19 @@ def demo(runtime_dir: Path, ready_timeout_s: float = 900.0) -> int:
                   "--set", f"metrics.port={_free_port()}", "--set", f"operator.healthPort={_free_port()}",
                   timeout_s=330)
         shell.run("kubectl", "get", "pods", "-n", RELEASE_NAMESPACE)
-        shell.run("kubectl", "apply", "-f", str(EXAMPLE.relative_to(REPO_ROOT)))
+        # The chart's operator watches its release namespace: the example goes there.
+        shell.run("kubectl", "apply", "-n", RELEASE_NAMESPACE, "-f", str(EXAMPLE.relative_to(REPO_ROOT)))
         shell.watch_until_available(ready_timeout_s)
         answer = _chat(shell, timeout_s=120)
         print(f"answer: {answer!r}")
         resources = shell.run("kubectl", "api-resources", "--api-group=disagg.dev", "-o", "name", show=False)
         kinds = ",".join(["dc", *(["dr"] if "disaggroles" in resources else []), "pods"])
-        shell.run("kubectl", "get", kinds, "-o", "wide")
+        shell.run("kubectl", "get", kinds, "-n", RELEASE_NAMESPACE, "-o", "wide")
     except DemoError as e:
         print(f"demo-k8s failed: {e}\npod logs: {state['pod_logs']}", file=sys.stderr)
         return 1
     print(f"\ndone in {time.monotonic() - began:.0f} s. Try it yourself:")
     print(f"  export KUBECONFIG={state['admin_kubeconfig']} PATH={state['binaries']}:$PATH")
-    print(f"  kubectl get dc,pods -A          (pod logs: {state['pod_logs']})")
+    print(f"  kubectl get dc,pods -n {RELEASE_NAMESPACE}   (pod logs: {state['pod_logs']})")
     print(f"tear it all down: make cluster-down   ({sys.executable} -m disagg.testing down --runtime-dir {runtime_dir})")
     return 0
