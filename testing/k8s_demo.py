@@ -71,7 +71,7 @@ class Shell:
 
     def watch_until_available(self, timeout_s: float) -> None:
         """`kubectl get dc -w`, shown live, until `kubectl wait` sees the cluster Available."""
-        print(f"$ kubectl get dc -w   (until {CLUSTER} is Available, at most {timeout_s:.0f} s)", flush=True)
+        print(f"$ kubectl get dc -n {RELEASE_NAMESPACE} -w   (until {CLUSTER} is Available, at most {timeout_s:.0f} s)", flush=True)
         watch = subprocess.Popen(["kubectl", "get", "dc", "-n", RELEASE_NAMESPACE, "-w"], env=self.env, stdout=sys.stdout,
                                  stderr=subprocess.STDOUT)
         try:
