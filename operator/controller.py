@@ -22,8 +22,9 @@ import httpx
 import kopf
 
 from disagg.operator import manifests as m
+from disagg.operator.cluster_key import plan_key
 from disagg.operator.drain import drain, in_flight
-from disagg.operator.health import model_loaded
+from disagg.operator.health import key_fingerprint, model_loaded
 from disagg.operator.kube import KubeApi
 from disagg.operator.graph import LinkGraph
 from disagg.operator.link_client import LinkClient
@@ -43,6 +44,7 @@ from disagg.operator.settings import OperatorSettings
 from disagg.operator.snapshot import ClusterSnapshot, take_snapshot
 from disagg.operator.spec import ClusterSpec, parse_spec
 from disagg.operator.status import build_status, status_changed
+from disagg.workers.security.key import ClusterKey
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +81,10 @@ class ClusterController:
     loaded: set[str] = field(default_factory=set)  # incarnations whose /health said their model is loaded
     # The latest pass's snapshot: drains outlive their pass and unlink the peers it saw.
     latest: ClusterSnapshot | None = None
+    # The cluster key the link calls are signed with (None: the workers run --insecure), and its
+    # text as last read: what a deleted Secret is rotated away from (cluster_key.py).
+    key: ClusterKey | None = None
+    known_key: str | None = None
 
     def wake(self) -> None:
         self.wakeup.set()
@@ -102,6 +108,7 @@ class ClusterController:
             self.service_generation = generation
         templates = m.current_templates(spec, *self._security_contexts)
         pods = list(views)
+        await self._keep_key(body, spec, pods)
         await self._scale(body, spec, templates, pods)
         pods = await self._observe_models(pods)
         plan = await self._link(body, pods)
@@ -121,6 +128,49 @@ class ClusterController:
         if any(v.awaits_model for v in snap.views):
             resync = min(resync, self.deps.settings.health_poll_s)
         return resync if due is None else max(0.05, min(resync, due - time.monotonic()))
+
+    async def _keep_key(self, body: kopf.Body, spec: ClusterSpec, views: Sequence[PodView]) -> None:
+        """Make the cluster key's Secret, take a rotation's next step once every worker
+        has the current one, and sign the link calls with the key it holds."""
+        if spec.security.insecure:
+            self.key = None
+            return
+        name = m.key_secret_name(self.name)
+        found = await self.deps.kube.read_secret_item(self.namespace, name, m.KEY_ITEM)
+        current, rotation = (None, None) if found is None else (found[0], found[1].get(m.ROTATION_ANNOTATION))
+        settled = current is not None and rotation is not None and await self._workers_hold(current, views)
+        plan = plan_key(current, rotation, self.known_key, settled)
+        if plan.text is not None:
+            secret = m.key_secret(body, plan.text, plan.rotation)
+            if plan.create:
+                if not await self.deps.kube.create_secret(self.namespace, secret):
+                    return  # made meanwhile by someone else: the next pass reads it
+            else:
+                await self.deps.kube.patch_secret(self.namespace, name, {
+                    "metadata": {"annotations": {m.ROTATION_ANNOTATION: plan.rotation}},
+                    "stringData": secret["stringData"]})
+            current = plan.text
+        if plan.event is not None:
+            self._event(body, *plan.event)
+        assert current is not None
+        try:
+            key = ClusterKey(current.encode())
+        except ValueError as e:
+            self._event(body, "Warning", "InvalidClusterKey", f"Secret {name} holds no usable key ({e}); "
+                        "the workers and the operator keep the previous one", key=("InvalidClusterKey", current))
+            return
+        self.known_key = current
+        if self.key is None:
+            self.key = key
+        else:  # the same object: the link client's open channels sign with the new text
+            self.key.replace(current.encode())
+
+    async def _workers_hold(self, text: str, views: Sequence[PodView]) -> bool:
+        """Whether every worker that answers reports the keys of `text` (terminating ones too: they still serve)."""
+        expected = ClusterKey(text.encode()).fingerprint()
+        asking = [v for v in views if v.running and v.ip]
+        answers = await asyncio.gather(*(key_fingerprint(self.deps.http, v.ip) for v in asking))
+        return all(fp == expected for fp in answers if fp is not None)
 
     @property
     def _security_contexts(self) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
@@ -160,7 +210,7 @@ class ClusterController:
         draining = frozenset(v.name for v in views if v.is_draining and not v.is_gone)
         plan = plan_links(views, self.graph, now, reassert=reassert, keep=draining)
         unlink_ops = [op for _, ops in plan.unlink for op in ops]
-        results = await self.deps.links.run(unlink_ops + [op for _, op in plan.link])
+        results = await self.deps.links.run(unlink_ops + [op for _, op in plan.link], self.key)
         self.deps.metrics.observe_links(results)
         self.graph.forget(pair for pair, _ in plan.unlink)
         self.graph.forget(stale_failures(self.graph, plan.desired))
@@ -209,7 +259,7 @@ class ClusterController:
         peers = [v.endpoint for v in self.latest.views
                  if v.role != pod.role and v.running and v.ip and not v.is_gone]
         ops = [op for peer in peers for op in (LinkOp(False, peer, pod.endpoint), LinkOp(False, pod.endpoint, peer))]
-        results = await self.deps.links.run(ops)
+        results = await self.deps.links.run(ops, self.key)
         self.deps.metrics.observe_links(results)
         failed = {r.op.target.pod for r in results if not r.ok} | {r.op.payload.pod for r in results if not r.ok}
         # An edge whose unlink failed stays known: once the pod is gone, the pass unlinks the peer's side again.

@@ -43,7 +43,8 @@ def _opaque(description: str, kind: str = "object") -> Schema:
 
 def _field(f: s.Field, role: str = "") -> Schema:
     """One row of spec.FIELDS as a schema node."""
-    node: Schema = {"type": "integer", "format": "int32"} if f.kind is int else {"type": "string"}
+    types: dict[type, Schema] = {int: {"type": "integer", "format": "int32"}, bool: {"type": "boolean"}}
+    node: Schema = dict(types.get(f.kind, {"type": "string"}))
     node["description"] = f.description.replace("{role}", role)
     if f.bounds is not None:
         node["minimum"], node["maximum"] = f.bounds
@@ -104,6 +105,8 @@ def spec_schema() -> Schema:
         ),
         service=_section("The Service in front of the prefill pods (the client endpoint).", "service"),
         drain=_section("Scale-down draining.", "drain"),
+        security=_section("Authentication between the cluster's workers and the operator (docs/security.md).",
+                          "security"),
     )
     del top["default"]  # the spec itself is required, and so is its model
     return top | {"required": ["model"]}

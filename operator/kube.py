@@ -10,6 +10,7 @@ and the idempotence test.
 from __future__ import annotations
 
 import asyncio
+import base64
 from collections.abc import Mapping
 from typing import Any
 
@@ -85,6 +86,31 @@ class KubeApi:
         patch = {"metadata": {"labels": body["metadata"]["labels"]}, "spec": spec}
         await self._call(True, self.core.patch_namespaced_service, name, namespace, patch, _preload_content=False)
         return True
+
+    async def read_secret_item(self, namespace: str, name: str, item: str) -> tuple[str, dict[str, str]] | None:
+        """One item of a Secret, decoded, and the Secret's annotations; None when there is no such Secret."""
+        try:
+            secret = await self._call(False, self.core.read_namespaced_secret, name, namespace)
+        except ApiException as e:
+            if e.status != 404:
+                raise
+            return None
+        raw = (secret.data or {}).get(item, "")
+        return base64.b64decode(raw).decode(errors="replace"), dict(secret.metadata.annotations or {})
+
+    async def create_secret(self, namespace: str, body: Mapping[str, Any]) -> bool:
+        """Create; False when a Secret of that name already exists."""
+        try:
+            await self._call(True, self.core.create_namespaced_secret, namespace, body, _preload_content=False)
+        except ApiException as e:
+            if e.status != 409:
+                raise
+            return False
+        return True
+
+    async def patch_secret(self, namespace: str, name: str, patch: Mapping[str, Any]) -> None:
+        await self._call(True, self.core.patch_namespaced_secret, name, namespace, dict(patch),
+                         _preload_content=False)
 
     async def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
         await self._call(True, self.custom.patch_namespaced_custom_object_status, GROUP, VERSION, namespace, PLURAL,

@@ -22,24 +22,26 @@ class LinkClient:
     no handler ever sleeps.
     """
 
-    def __init__(self, timeout_s: float = 5.0, concurrency: int = 64, key: ClusterKey | None = None) -> None:
-        """`key`: the cluster key every call is signed with (None: the workers run --insecure)."""
+    def __init__(self, timeout_s: float = 5.0, concurrency: int = 64) -> None:
         self.timeout_s = timeout_s
-        self._key = key
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        # Per address, the key its channel signs with (a cluster's key object is
+        # updated in place on rotation, so the channel follows it).
+        self._channels: dict[str, tuple[ClusterKey | None, grpc.aio.Channel]] = {}
         self._limit = asyncio.Semaphore(concurrency)
         self.calls = 0  # RPCs sent, for the benchmark
 
-    def _stub(self, target: Endpoint) -> disagg_pd_pb2_grpc.DisaggPDServiceStub:
+    def _stub(self, target: Endpoint, key: ClusterKey | None) -> disagg_pd_pb2_grpc.DisaggPDServiceStub:
         address = target.instance_name
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = control_channel(address, self._key)
-            self._channels[address] = channel
-        return disagg_pd_pb2_grpc.DisaggPDServiceStub(channel)
+        cached = self._channels.get(address)
+        if cached is None or cached[0] is not key:
+            if cached is not None:
+                asyncio.ensure_future(cached[1].close())
+            cached = self._channels[address] = (key, control_channel(address, key))
+        return disagg_pd_pb2_grpc.DisaggPDServiceStub(cached[1])
 
-    async def call(self, op: LinkOp) -> LinkResult:
-        stub = self._stub(op.target)
+    async def call(self, op: LinkOp, key: ClusterKey | None = None) -> LinkResult:
+        """`key`: the cluster key the call is signed with (None: the workers run --insecure)."""
+        stub = self._stub(op.target, key)
         method = stub.LinkInstance if op.link else stub.UnlinkInstance
         began = time.monotonic()
         async with self._limit:
@@ -51,17 +53,17 @@ class LinkClient:
         error = "" if status.ok else f"{op.target.instance_name} answered ok=false"
         return LinkResult(op, status.ok, error, time.monotonic() - began)
 
-    async def run(self, ops: Sequence[LinkOp]) -> list[LinkResult]:
-        """All `ops` in parallel, results in the same order."""
-        return list(await asyncio.gather(*(self.call(op) for op in ops)))
+    async def run(self, ops: Sequence[LinkOp], key: ClusterKey | None = None) -> list[LinkResult]:
+        """All `ops` in parallel, signed with `key`, results in the same order."""
+        return list(await asyncio.gather(*(self.call(op, key) for op in ops)))
 
     def forget(self, addresses: Iterable[str]) -> None:
         """Drop channels of workers that are gone (their addresses may be reused)."""
         for address in addresses:
-            channel = self._channels.pop(address, None)
-            if channel is not None:
-                asyncio.ensure_future(channel.close())
+            cached = self._channels.pop(address, None)
+            if cached is not None:
+                asyncio.ensure_future(cached[1].close())
 
     async def close(self) -> None:
-        channels, self._channels = list(self._channels.values()), {}
+        channels, self._channels = [c for _, c in self._channels.values()], {}
         await asyncio.gather(*(c.close() for c in channels))

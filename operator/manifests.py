@@ -14,7 +14,7 @@ from typing import Any, cast
 import kopf
 
 from disagg.operator.crd import GROUP
-from disagg.operator.spec import ROLES, ClusterSpec, flag_values
+from disagg.operator.spec import ROLES, ClusterSpec, flag_args
 from disagg.proto.vocabulary import ADMIN_PORT, GRPC_PORT, HTTP_PORT, TRANSFER_PORT
 
 Obj = dict[str, Any]
@@ -32,6 +32,14 @@ CONTAINER = "worker"
 # The preStop pause keeps a terminating worker serving while the operator
 # unlinks it from its peers; endpoints drop it at once, so no new requests come.
 PRESTOP_SLEEP_S = 5
+# The cluster key (docs/security.md): a Secret per cluster, mounted into every
+# worker pod. A mounted Secret follows updates, which is what lets a key rotate
+# without restarting a pod.
+KEY_ITEM = "key"
+KEY_MOUNT_DIR = "/etc/disagg/cluster-key"
+KEY_VOLUME = "cluster-key"
+KEY_FILE_MODE = 0o440  # owner root, group the pod's fsGroup (the chart sets one): the worker's user reads it
+ROTATION_ANNOTATION = f"{GROUP}/key-rotation"  # the step of a rotation in progress ("accept" or "sign")
 # A cluster name becomes the Service name (a DNS-1035 label: at most 63
 # characters) and prefixes pod names; room is left for "-prefill-xxxxx".
 MAX_CLUSTER_NAME = 47
@@ -76,12 +84,31 @@ def worker_args(role: str, spec: ClusterSpec) -> list[str]:
         "--http-port", str(HTTP_PORT),
         "--grpc-port", str(GRPC_PORT),
         "--transfer-port", str(TRANSFER_PORT),
-        # NOTE: no cluster key until the operator makes one per cluster (a Secret, issue 15 item 1).
-        "--insecure",
     ]
-    for flag, value in flag_values(spec, role):
-        args += [flag, str(value)]
-    return args + list(spec.role(role).args)
+    if not spec.security.insecure:
+        args += ["--cluster-key-file", f"{KEY_MOUNT_DIR}/{KEY_ITEM}"]
+    return args + flag_args(spec, role) + list(spec.role(role).args)
+
+
+def key_secret_name(cluster: str) -> str:
+    return f"{cluster}-cluster-key"
+
+
+def key_secret(owner: Mapping[str, Any], key_text: str, rotation: str | None = None) -> Obj:
+    """The cluster's key Secret (one key per line: the first signs, all are accepted),
+    owned by the DisaggCluster `owner`; `rotation` marks a rotation's step."""
+    cluster = owner["metadata"]["name"]
+    secret: Obj = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": {"name": key_secret_name(cluster),
+                     "labels": {CLUSTER_LABEL: cluster, "app.kubernetes.io/managed-by": "disagg-operator"},
+                     "annotations": {ROTATION_ANNOTATION: rotation} if rotation else {}},
+        "stringData": {KEY_ITEM: key_text},
+    }
+    kopf.adopt(secret, owner=kopf.Body(cast(kopf.RawBody, dict(owner))))
+    return secret
 
 
 def _env(role: str, spec: ClusterSpec) -> list[Obj]:
@@ -126,6 +153,8 @@ def worker_pod_spec(role: str, spec: ClusterSpec, pod_security_context: Mapping[
     }
     if security_context:
         container["securityContext"] = dict(security_context)
+    if not spec.security.insecure:  # the volume itself is the cluster's: worker_pod adds it
+        container["volumeMounts"] = [{"name": KEY_VOLUME, "mountPath": KEY_MOUNT_DIR, "readOnly": True}]
     pod_spec: Obj = {
         "containers": [container],
         "restartPolicy": "Always",
@@ -167,6 +196,9 @@ def worker_pod(owner: Mapping[str, Any], role: str, name: str, spec: ClusterSpec
         "metadata": {"name": name, "labels": {**labels(cluster, role, spec), TEMPLATE_LABEL: template_hash(pod_spec)}},
         "spec": pod_spec,
     }
+    if not spec.security.insecure:
+        pod_spec["volumes"] = [{"name": KEY_VOLUME, "secret": {"secretName": key_secret_name(cluster),
+                                                               "defaultMode": KEY_FILE_MODE}}]
     kopf.adopt(pod, owner=kopf.Body(cast(kopf.RawBody, dict(owner))))
     return pod
 

@@ -53,12 +53,12 @@ class Field:
     section: str  # the spec key that holds it; "" is the spec itself, "role" each of prefill and decode
     name: str  # its camelCase key there
     attr: str  # the attribute it fills in the section's dataclass (ClusterSpec's for "" and "drain")
-    kind: type[int] | type[str]
-    default: int | str | None  # None: unset unless given
+    kind: type[int] | type[str] | type[bool]
+    default: int | str | bool | None  # None: unset unless given
     description: str  # "{role}" is replaced by the role's name
     bounds: tuple[int, int] | None = None
     choices: tuple[int | str, ...] = ()
-    flag: str | None = None  # the `disagg serve` flag it becomes; an unset field passes none
+    flag: str | None = None  # the `disagg serve` flag it becomes; an unset (or false) field passes none
     required: bool = False
     nonblank: bool = False  # a string with something other than spaces
 
@@ -93,6 +93,12 @@ FIELDS: tuple[Field, ...] = (
     Field("service", "port", "port", int, HTTP_PORT, "Service port.", bounds=(1, MAX_PORT)),
     Field("drain", "timeoutSeconds", "drain_timeout_s", int, DEFAULT_DRAIN_TIMEOUT_S,
           "How long a removed pod may finish its in-flight requests.", bounds=(0, MAX_DRAIN_TIMEOUT_S)),
+    Field("security", "insecure", "insecure", bool, False,
+          "Run the workers without the cluster key (no authentication of control calls and KV transfer): "
+          "only for trusted networks.", flag="--insecure"),
+    Field("security", "allowAnonymousPeers", "allow_anonymous_peers", bool, False,
+          "Accept control calls that carry no credential at all (an xLLM peer); wrong ones are still refused.",
+          flag="--allow-anonymous-peers"),
 )
 
 
@@ -143,6 +149,12 @@ class ServiceSpec:
 
 
 @dataclass(frozen=True)
+class SecuritySpec:
+    insecure: bool  # no cluster key: the operator makes no Secret and the workers run --insecure
+    allow_anonymous_peers: bool
+
+
+@dataclass(frozen=True)
 class ClusterSpec:
     model: ModelSpec
     image: str
@@ -152,6 +164,7 @@ class ClusterSpec:
     kv_transfer: KvTransferSpec
     engine: EngineSpec
     service: ServiceSpec
+    security: SecuritySpec
     drain_timeout_s: int
 
     def role(self, name: str) -> RoleSpec:
@@ -226,17 +239,21 @@ def parse_spec(spec: Mapping[str, Any]) -> ClusterSpec:
         kv_transfer=KvTransferSpec(**section("kvTransfer")),
         engine=EngineSpec(**section("engine")),
         service=ServiceSpec(**section("service")),
+        security=SecuritySpec(**section("security")),
         **section("drain"),
     )
 
 
-def flag_values(spec: ClusterSpec, role: str) -> list[tuple[str, Any]]:
-    """(`disagg serve` flag, value) of every set field that becomes a flag, in table order."""
+def flag_args(spec: ClusterSpec, role: str) -> list[str]:
+    """The `disagg serve` arguments of every set field that becomes a flag, in table order:
+    a boolean's flag alone when true, any other flag followed by its value."""
     holders: dict[str, object] = {"": spec, "drain": spec, "role": spec.role(role), "model": spec.model,
-                                  "kvTransfer": spec.kv_transfer, "engine": spec.engine, "service": spec.service}
-    out = []
+                                  "kvTransfer": spec.kv_transfer, "engine": spec.engine, "service": spec.service,
+                                  "security": spec.security}
+    out: list[str] = []
     for f in FIELDS:
         value = getattr(holders[f.section], f.attr)
-        if f.flag is not None and value is not None:
-            out.append((f.flag, value))
+        if f.flag is None or value is None or value is False:
+            continue
+        out += [f.flag] if value is True else [f.flag, str(value)]
     return out

@@ -17,6 +17,8 @@ not false on the pod or its ServiceAccount) gets, instead of the files under
 /var/run/secrets, a kubeconfig with a bound token of that account, named by
 `KUBECONFIG`: the Kubernetes clients read it where in-cluster config is absent,
 so an operator pod acts with its own account's rights, never the user's.
+Secret volumes are files under the work folder, kept in step with their
+Secrets, at paths that replace the mount paths (testing/volumes.py).
 
 Threads: one reconcile loop (lists pods every `resync_s`, or at once when a
 probe result changes something, and acts), a small pool for probes, one
@@ -49,12 +51,15 @@ from disagg.testing.podenv import Obj, PodConfigError, command_line, container_e
 from disagg.testing.probes import ProbeTracker, parse_probe
 from disagg.testing.processes import ManagedProcess
 from disagg.testing.rest import Kube, pod_path
+from disagg.testing.volumes import SecretVolume, mount_paths, remap, secret_volumes, sync_volume
 
 log = logging.getLogger(__name__)
 
 HOST_IP = "127.0.0.1"
 DEFAULT_NODE = "disagg-local-node"
 HOSTNAME_LABEL = "kubernetes.io/hostname"
+# How often a running pod's Secret volumes are brought up to date (a kubelet: about a minute).
+VOLUME_SYNC_S = 2.0
 
 
 def _key(pod: Obj) -> str:
@@ -104,6 +109,8 @@ class PodRuntime:
     cwd: str = ""
     transitions: dict[str, tuple[str, str]] = field(default_factory=dict)  # type -> (status, time)
     reported: dict[str, Any] | None = None
+    volumes: list[SecretVolume] = field(default_factory=list)
+    volumes_synced: float = 0.0  # monotonic
 
     @property
     def running(self) -> bool:
@@ -277,6 +284,7 @@ class LocalKubelet:
                 return  # finished before this kubelet started
             rt = self._admit(pod)
         self._advance(rt, pod)
+        self._sync_volumes(rt)
         self._report(rt, pod)
 
     def _takes(self, pod: Obj) -> bool:
@@ -364,8 +372,13 @@ class LocalKubelet:
         try:
             if self._automounts_token(pod):
                 injected["KUBECONFIG"] = str(self._token_kubeconfig(rt, pod))
-            env = {**injected, **container_env(pod, container, rt.ip, HOST_IP, self._lookup)}
-            argv = command_line(container, env)
+            volumes = secret_volumes(pod, self.workdir / "volumes" / f"{rt.namespace}_{rt.name}")
+            for volume in volumes:
+                sync_volume(volume, rt.namespace, self._lookup)
+            mounts = mount_paths(container, volumes)
+            env = {k: remap(v, mounts) for k, v in
+                   {**injected, **container_env(pod, container, rt.ip, HOST_IP, self._lookup)}.items()}
+            argv = [remap(a, mounts) for a in command_line(container, env)]
             cwd = container.get("workingDir") or self.default_cwd
             if not Path(cwd).is_dir():
                 raise PodConfigError(f"workingDir {cwd!r} does not exist")
@@ -396,6 +409,7 @@ class LocalKubelet:
             rt.restart_count += 1
         rt.ever_started = True
         rt.env, rt.cwd, rt.tracker = full_env, cwd, tracker
+        rt.volumes, rt.volumes_synced = volumes, time.monotonic()
         rt.started_at, rt.started_mono = _now(), time.monotonic()
 
     def _advance(self, rt: PodRuntime, pod: Obj) -> None:
@@ -423,6 +437,14 @@ class LocalKubelet:
         if rt.tracker is not None and rt.running and not rt.probe_in_flight and rt.tracker.due(now):
             rt.probe_in_flight = True
             self._probes.submit(self._probe, rt, rt.tracker)
+
+    def _sync_volumes(self, rt: PodRuntime) -> None:
+        """Keep a running pod's Secret files in step with their Secrets."""
+        if not rt.volumes or not rt.running or time.monotonic() - rt.volumes_synced < VOLUME_SYNC_S:
+            return
+        rt.volumes_synced = time.monotonic()
+        for volume in rt.volumes:
+            sync_volume(volume, rt.namespace, self._lookup)  # a vanished Secret keeps its last files
 
     def _probe(self, rt: PodRuntime, tracker: ProbeTracker) -> None:
         ok = tracker.probe.run(rt.env, rt.cwd)

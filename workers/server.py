@@ -185,6 +185,7 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig, spec: 
     limit = max_in_flight(engine_config.max_num_seqs, server_config.max_queued_requests)
     state = AppState(metrics, Admission(limit))
     state.insecure = server_config.insecure
+    state.cluster_key = server_config.cluster_key
     if server_config.insecure:
         log.warning("INSECURE: no cluster key (--insecure): anyone who reaches the gRPC, HTTP and transfer ports "
                     "can link, send requests and read or write KV blocks")

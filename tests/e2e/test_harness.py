@@ -396,3 +396,35 @@ def test_force_deleted_pod_process_is_stopped(cluster: LocalCluster, kube: Kube,
     # Grace 0: the object is gone at once, and the kubelet finds an orphan process.
     kube.delete(pod_path(namespace, "forced"), {"gracePeriodSeconds": 0})
     wait_until(lambda: not process_running(pid), WAIT_S, "the orphaned process to be stopped")
+
+
+@pytest.mark.e2e
+def test_a_secret_volume_is_mounted_and_follows_its_secret(cluster: LocalCluster, kube: Kube, namespace: str) -> None:
+    secrets = f"/api/v1/namespaces/{namespace}/secrets"
+    kube.post(secrets, {"metadata": {"name": "words"}, "stringData": {"word": "first"}})
+    show = "import sys, time\nwhile True:\n    print(open(sys.argv[1]).read(), flush=True)\n    time.sleep(0.2)"
+    pod = command_pod("reader", [sys.executable, "-c", show, "/etc/words/word"])
+    pod["spec"]["volumes"] = [{"name": "words", "secret": {"secretName": "words", "defaultMode": 0o440}}]
+    pod["spec"]["containers"][0]["volumeMounts"] = [{"name": "words", "mountPath": "/etc/words", "readOnly": True}]
+    kube.post(pod_path(namespace), pod)
+    assert cluster.kubelet is not None
+    log = cluster.kubelet.pod_log(namespace, "reader")
+
+    def shows(word: str) -> bool:
+        return log.exists() and word in log.read_text()
+
+    wait_until(lambda: shows("first"), WAIT_S, "the mounted Secret's value")
+    kube.patch(f"{secrets}/words", {"stringData": {"word": "second"}})
+    wait_until(lambda: shows("second"), WAIT_S, "the updated value, without a restart")
+    assert kube.get(pod_path(namespace, "reader"))["status"]["containerStatuses"][0]["restartCount"] == 0
+    # A pod whose Secret does not exist cannot start, and says why.
+    missing = command_pod("orphan", ["sleep", "60"])
+    missing["spec"]["volumes"] = [{"name": "gone", "secret": {"secretName": "nothing-here"}}]
+    kube.post(pod_path(namespace), missing)
+
+    def waiting_reason() -> str | None:
+        statuses = kube.get(pod_path(namespace, "orphan")).get("status", {}).get("containerStatuses") or []
+        state = statuses[0]["state"].get("waiting", {}) if statuses else {}
+        return state.get("message") if state.get("reason") == "CreateContainerConfigError" else None
+
+    assert "nothing-here" in wait_until(waiting_reason, WAIT_S, "a config error naming the Secret")

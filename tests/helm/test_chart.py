@@ -141,13 +141,16 @@ def test_namespaced_mode_grants_roles_only_in_the_watched_namespaces(helm: Helm)
     assert "--verbose" in container["args"]
 
 
-def test_rbac_has_no_wildcards_and_no_secret_access(helm: Helm) -> None:
+def test_rbac_has_no_wildcards_and_reads_secrets_only_by_name(helm: Helm) -> None:
+    """The cluster keys' Secrets are made, read by name and rotated; never listed or watched."""
     for values in [None, *VALUES_FILES]:
         objects = helm.template(*(["-f", str(values)] if values else []))
         for role in objects.find("Role") + objects.find("ClusterRole"):
             for group, resource, verb in _rules(role):
                 assert "*" not in (group, resource, verb), f"{role['metadata']['name']}: wildcard in {values}"
-                assert resource not in ("secrets", "configmaps"), f"{role['metadata']['name']} reads {resource}"
+                assert resource != "configmaps", f"{role['metadata']['name']} reads configmaps"
+                if resource == "secrets":
+                    assert verb in ("get", "create", "patch"), f"{role['metadata']['name']} may {verb} secrets"
 
 
 def test_ha_runs_two_peered_replicas_kept_by_the_budget(helm: Helm) -> None:
@@ -221,7 +224,8 @@ def test_default_rbac_creates_pods_only_in_the_release_namespace(helm: Helm) -> 
     assert role["metadata"]["namespace"] == "disagg-system" and ("", "pods", "create") in _rules(role)
     assert objects.one("RoleBinding")["metadata"]["namespace"] == "disagg-system"
     for cluster_role in objects.find("ClusterRole"):
-        assert not {r for _, r, _ in _rules(cluster_role)} & {"pods", "services"}, cluster_role["metadata"]["name"]
+        assert not {r for _, r, _ in _rules(cluster_role)} & {"pods", "services", "secrets"}, \
+            cluster_role["metadata"]["name"]
     assert [a for a in operator_container(objects)["args"] if a.startswith("--namespace")] == [
         "--namespace=disagg-system"]
     wide = helm.template("--set", "operator.watchAllNamespaces=true")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -10,12 +11,15 @@ from disagg.operator import manifests
 from disagg.operator.spec import FIELDS, ROLES, Field, parse_spec
 from disagg.workers.args import build_configs
 from disagg.workers.cli import build_parser
+from disagg.workers.security.key import ClusterKey
 
 BASE: dict[str, Any] = {"model": {"source": "builtin:smollm2-135m"}}
 
 
 def values(f: Field) -> list[Any]:
     """The values that can reach a worker: each choice, else each bound, else a sample string."""
+    if f.kind is bool:
+        return [False, True]
     if f.choices:
         return list(f.choices)
     if f.bounds is not None:
@@ -40,8 +44,13 @@ CASES = [({**BASE}, role, None) for role in ROLES] + [
 
 @pytest.mark.parametrize("spec, role, field", CASES,
                          ids=[f"{r}-{f.name if f else 'defaults'}-{i}" for i, (_, r, f) in enumerate(CASES)])
-def test_disagg_serve_parses_the_operators_arguments(spec: dict[str, Any], role: str, field: Field | None) -> None:
-    args = [a.replace("$(POD_IP)", "10.0.0.7") for a in manifests.worker_args(role, parse_spec(spec))]
+def test_disagg_serve_parses_the_operators_arguments(spec: dict[str, Any], role: str, field: Field | None,
+                                                     tmp_path: Path) -> None:
+    # The mounted cluster key, here a file of our own.
+    key_file = tmp_path / manifests.KEY_ITEM
+    ClusterKey.generate().write(key_file)
+    args = [a.replace("$(POD_IP)", "10.0.0.7").replace(manifests.KEY_MOUNT_DIR, str(tmp_path))
+            for a in manifests.worker_args(role, parse_spec(spec))]
     namespace = build_parser("serve").parse_args(["serve", *args])
     engine, server = build_configs(namespace)  # the configs validate: a ValueError fails the test
     assert server.role.value == role and server.instance_name == "10.0.0.7:7777"

@@ -38,6 +38,7 @@ from disagg.workers.http.prepare import Prepared, prepare_chat, prepare_completi
 from disagg.workers.http.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, random_id
 from disagg.workers.http.serving import Call, OpenAIServing
 from disagg.workers.metrics import CONTENT_TYPE, RequestOutcome, WorkerMetrics
+from disagg.workers.security.key import ClusterKey
 
 # Answer to a request whose client has gone away (nginx's convention); no one reads it.
 _CLIENT_CLOSED = 499
@@ -55,6 +56,7 @@ class AppState:
         self.not_ready_reason = "the model is loading"
         self.draining = False  # asked before the model loaded, applied on attach
         self.insecure = False  # started with --insecure: said in /health
+        self.cluster_key: ClusterKey | None = None  # its fingerprint in /health tells which keys are in use
 
     def attach(self, health: Health, backend: Backend | None) -> None:
         health.set_draining(self.draining)
@@ -102,7 +104,11 @@ def build_app(state: AppState, client_api: bool = True, api_key: str | None = No
     async def health() -> dict[str, str | bool]:
         # `loaded`: the model is loaded and the role's servers are up (a prefill
         # is ready only once linked too, so launchers wait on this to link).
-        return {"status": "ok", "loaded": state.health is not None, "insecure": state.insecure}
+        answer: dict[str, str | bool] = {"status": "ok", "loaded": state.health is not None,
+                                         "insecure": state.insecure}
+        if state.cluster_key is not None:  # the operator waits on it during a key rotation
+            answer["cluster_key"] = state.cluster_key.fingerprint()
+        return answer
 
     @app.get("/ready")
     async def ready() -> dict[str, str]:

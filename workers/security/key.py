@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import secrets
 import threading
@@ -29,6 +30,9 @@ MAX_KEY_BYTES = 4096
 DEFAULT_MAX_SKEW_S = 30.0
 MAX_REPLAY_ENTRIES = 1 << 18  # nonces remembered at once: 30 s of 8,700 calls a second
 _VERSION = "v1"
+RELOAD_CHECK_S = 1.0  # how often a key file is looked at for a change
+
+log = logging.getLogger(__name__)
 
 
 class AuthError(Exception):
@@ -41,43 +45,109 @@ def default_key_file() -> str | None:
 
 
 class ClusterKey:
-    """A cluster's shared secret. Its repr never shows the key."""
+    """A cluster's shared secret: the key calls are signed with, and the keys still accepted.
 
-    def __init__(self, secret: bytes) -> None:
-        if not MIN_KEY_BYTES <= len(secret) <= MAX_KEY_BYTES:
-            raise ValueError(f"a cluster key must be {MIN_KEY_BYTES} to {MAX_KEY_BYTES} bytes, got {len(secret)}")
-        self._secret = secret
+    The key text is one key per line: the first signs; every line is accepted
+    when checking. One line is the usual case. A rotation (docs/security.md)
+    goes through "old, new" (accept the new key before anyone signs with it),
+    then "new, old" (sign with it while old signers remain), then "new", so
+    two workers at neighbouring steps always understand each other.
+
+    A key read from a file follows the file: when it changes (a mounted Secret
+    that the kubelet updates), the next use reads it again. Its repr never
+    shows a key.
+    """
+
+    def __init__(self, text: bytes, path: Path | None = None) -> None:
+        self._secrets = self._parse(text)
+        self._path = path
+        self._stamp = self._file_stamp() if path is not None else None
+        self._checked = time.monotonic()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _parse(text: bytes) -> tuple[bytes, ...]:
+        secrets_ = tuple(line.strip() for line in text.strip().splitlines() if line.strip())
+        if not secrets_:
+            raise ValueError("a cluster key must not be empty")
+        for secret in secrets_:
+            if not MIN_KEY_BYTES <= len(secret) <= MAX_KEY_BYTES:
+                raise ValueError(f"a cluster key must be {MIN_KEY_BYTES} to {MAX_KEY_BYTES} bytes, got {len(secret)}")
+        return secrets_
 
     @classmethod
     def from_file(cls, path: str | Path) -> ClusterKey:
         """The key in `path` (surrounding whitespace ignored, as a mounted Secret may end in a newline)."""
+        return cls(cls._read(Path(path)), Path(path))
+
+    @staticmethod
+    def _read(path: Path) -> bytes:
         try:
-            secret = Path(path).read_bytes().strip()
+            text = path.read_bytes()
         except OSError as exc:
             raise ValueError(f"cannot read the cluster key file {str(path)!r}: {exc.strerror or exc}") from exc
         try:
-            return cls(secret)
+            ClusterKey._parse(text)
         except ValueError as exc:
             raise ValueError(f"cluster key file {str(path)!r}: {exc}") from exc
+        return text
 
     @classmethod
     def generate(cls) -> ClusterKey:
         """A fresh random key, as 64 hex characters (printable, so it can live in a file or a Secret)."""
-        return cls(secrets.token_hex(32).encode())
+        return cls(new_key_text())
 
     def write(self, path: Path) -> None:
         """Store the key in a new file only its owner can read."""
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as f:
-            f.write(self._secret)
+            f.write(b"\n".join(self._secrets))
 
     def __repr__(self) -> str:
-        return "ClusterKey(<hidden>)"
+        return f"ClusterKey(<{len(self._secrets)} hidden>)"
+
+    def replace(self, text: bytes) -> None:
+        """Take new key text (the operator, when the cluster's Secret changes); ValueError if it is not a key."""
+        secrets_ = self._parse(text)
+        with self._lock:
+            self._secrets = secrets_
+
+    def _file_stamp(self) -> tuple[int, int, int] | None:
+        assert self._path is not None
+        try:
+            st = self._path.stat()  # follows the kubelet's ..data link to the current files
+        except OSError:
+            return None
+        return st.st_ino, st.st_mtime_ns, st.st_size
+
+    def _current(self) -> tuple[bytes, ...]:
+        """The keys now, after re-reading the file when it changed (looked at most once a second)."""
+        if self._path is not None and time.monotonic() - self._checked >= RELOAD_CHECK_S:
+            with self._lock:
+                self._checked = time.monotonic()
+                stamp = self._file_stamp()
+                if stamp is not None and stamp != self._stamp:
+                    try:
+                        self._secrets = self._parse(self._read(self._path))
+                        self._stamp = stamp
+                        log.info("cluster key file %s changed: %d key(s) now accepted", self._path,
+                                 len(self._secrets))
+                    except ValueError as exc:  # half-written or wrong: keep the keys that work
+                        log.warning("cluster key file changed but is unusable, keeping the previous keys: %s", exc)
+        return self._secrets
+
+    def fingerprint(self) -> str:
+        """Names the keys (in order) without revealing them: for /health, so the operator
+        can tell when every worker has taken a rotation step."""
+        return ",".join(_mac(s, "fingerprint")[:12] for s in self._current())
 
     def mac(self, *parts: str) -> str:
-        """HMAC-SHA256 over the parts, each length-prefixed so that no two part lists collide."""
-        message = b"".join(len(p.encode()).to_bytes(4, "big") + p.encode() for p in parts)
-        return hmac.new(self._secret, message, hashlib.sha256).hexdigest()
+        """HMAC-SHA256 over the parts with the signing key."""
+        return _mac(self._current()[0], *parts)
+
+    def matches(self, mac: str, *parts: str) -> bool:
+        """Whether `mac` is the HMAC over the parts by any accepted key."""
+        return any(hmac.compare_digest(mac.encode(), _mac(s, *parts).encode()) for s in self._current())
 
     def credential(self, method: str, now: float | None = None) -> str:
         """A one-time credential for one call of `method` (e.g. "/xllm.proto.DisaggPDService/LinkInstance")."""
@@ -90,8 +160,19 @@ class ClusterKey:
         return self.mac("handshake", side, *bound)
 
     def check_proof(self, proof: str, side: str, *bound: str) -> None:
-        if not hmac.compare_digest(proof.encode(), self.proof(side, *bound).encode()):
+        if not self.matches(proof, "handshake", side, *bound):
             raise AuthError(f"the {side}'s handshake proof is wrong")
+
+
+def new_key_text() -> bytes:
+    """A fresh random key (64 hex characters): what `generate` and the operator's Secret hold."""
+    return secrets.token_hex(32).encode()
+
+
+def _mac(secret: bytes, *parts: str) -> str:
+    """HMAC-SHA256 over the parts, each length-prefixed so that no two part lists collide."""
+    message = b"".join(len(p.encode()).to_bytes(4, "big") + p.encode() for p in parts)
+    return hmac.new(secret, message, hashlib.sha256).hexdigest()
 
 
 class CredentialVerifier:
@@ -116,7 +197,7 @@ class CredentialVerifier:
         if len(parts) != 4 or parts[0] != _VERSION or not parts[1].isdigit() or len(parts[2]) != 32:
             raise AuthError("malformed credential")
         _, ms, nonce, mac = parts
-        if not hmac.compare_digest(mac.encode(), self._key.mac("call", method, ms, nonce).encode()):
+        if not self._key.matches(mac, "call", method, ms, nonce):
             raise AuthError(f"credential for another key or method than {method}")
         now = self._clock()
         skew = abs(now - int(ms) / 1000)

@@ -1,0 +1,80 @@
+"""The cluster key ring: the first key signs, every key is accepted, a key file is followed."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from disagg.workers.security import key as key_module
+from disagg.workers.security.key import AuthError, ClusterKey, CredentialVerifier, new_key_text
+
+METHOD = "/xllm.proto.DisaggPDService/LinkInstance"
+
+
+def _ring(*keys: bytes) -> ClusterKey:
+    return ClusterKey(b"\n".join(keys))
+
+
+def _write(path: Path, *keys: bytes) -> None:
+    """Replace the file at once, as the kubelet swaps a Secret volume's files."""
+    staged = path.with_suffix(".new")
+    staged.write_bytes(b"\n".join(keys) + b"\n")
+    os.replace(staged, path)
+
+
+def test_each_rotation_step_understands_its_neighbours() -> None:
+    old, new = new_key_text(), new_key_text()
+    steps = [_ring(old), _ring(old, new), _ring(new, old), _ring(new)]
+    for signer, checker in [*zip(steps, steps[1:]), *zip(steps[1:], steps)]:
+        CredentialVerifier(checker).verify(METHOD, signer.credential(METHOD))
+        checker.check_proof(signer.proof("initiator", "a", "b"), "initiator", "a", "b")
+    # Two steps apart, the first and the last do not: that is why the operator waits for every worker.
+    with pytest.raises(AuthError):
+        CredentialVerifier(steps[3]).verify(METHOD, steps[0].credential(METHOD))
+    with pytest.raises(AuthError):
+        steps[0].check_proof(steps[3].proof("acceptor", "x"), "acceptor", "x")
+
+
+def test_a_key_file_is_followed_and_a_bad_rewrite_keeps_the_working_keys(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(key_module, "RELOAD_CHECK_S", 0.0)
+    old, new = new_key_text(), new_key_text()
+    path = tmp_path / "key"
+    _write(path, old)
+    ring = ClusterKey.from_file(path)
+    first = ring.fingerprint()
+    assert old.decode() not in first and "," not in first
+    _write(path, old, new)
+    CredentialVerifier(_ring(new)).verify(METHOD, _ring(new).credential(METHOD))
+    CredentialVerifier(ring).verify(METHOD, _ring(new).credential(METHOD))  # the new key is accepted now
+    assert ring.fingerprint() == _ring(old, new).fingerprint() != first
+    _write(path, b"short")  # not a key: ignored, the previous keys stay
+    assert ring.fingerprint() == _ring(old, new).fingerprint()
+    path.unlink()  # a vanished file changes nothing either
+    assert ring.fingerprint() == _ring(old, new).fingerprint()
+
+
+def test_a_key_file_is_looked_at_no_more_than_once_a_second(tmp_path: Path) -> None:
+    path = tmp_path / "key"
+    _write(path, new_key_text())
+    ring = ClusterKey.from_file(path)
+    before = ring.fingerprint()
+    _write(path, new_key_text())
+    assert ring.fingerprint() == before
+    time.sleep(key_module.RELOAD_CHECK_S + 0.05)
+    assert ring.fingerprint() != before
+
+
+def test_replace_and_bad_text() -> None:
+    ring = _ring(new_key_text())
+    nxt = new_key_text()
+    ring.replace(nxt + b"\n")
+    assert ring.fingerprint() == _ring(nxt).fingerprint()
+    for text in (b"", b"\n\n", b"tooshort", b"x" * (key_module.MAX_KEY_BYTES + 1)):
+        with pytest.raises(ValueError):
+            ring.replace(text)
+    assert ring.fingerprint() == _ring(nxt).fingerprint()
+    assert "hidden" in repr(ring) and nxt.decode() not in repr(ring)
