@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import grpc
 import httpx
 import kopf
 
@@ -45,6 +46,7 @@ from disagg.operator.snapshot import ClusterSnapshot, take_snapshot
 from disagg.operator.spec import ClusterSpec, parse_spec
 from disagg.operator.status import build_status, status_changed
 from disagg.workers.security.key import ClusterKey
+from disagg.workers.security.tls import CA_FILE, CERT_FILE, KEY_FILE, channel_credentials
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +87,9 @@ class ClusterController:
     # text as last read: what a deleted Secret is rotated away from (cluster_key.py).
     key: ClusterKey | None = None
     known_key: str | None = None
+    # The link calls' mutual TLS, from spec.security.tlsSecretName's Secret, and the items it was built from.
+    tls: grpc.ChannelCredentials | None = None
+    tls_items: tuple[bytes, bytes, bytes] | None = None
 
     def wake(self) -> None:
         self.wakeup.set()
@@ -109,6 +114,7 @@ class ClusterController:
         templates = m.current_templates(spec, *self._security_contexts)
         pods = list(views)
         await self._keep_key(body, spec, pods)
+        await self._keep_tls(body, spec)
         await self._scale(body, spec, templates, pods)
         pods = await self._observe_models(pods)
         plan = await self._link(body, pods)
@@ -136,8 +142,9 @@ class ClusterController:
             self.key = None
             return
         name = m.key_secret_name(self.name)
-        found = await self.deps.kube.read_secret_item(self.namespace, name, m.KEY_ITEM)
-        current, rotation = (None, None) if found is None else (found[0], found[1].get(m.ROTATION_ANNOTATION))
+        found = await self.deps.kube.read_secret(self.namespace, name)
+        current, rotation = (None, None) if found is None else (
+            found[0].get(m.KEY_ITEM, b"").decode(errors="replace"), found[1].get(m.ROTATION_ANNOTATION))
         settled = current is not None and rotation is not None and await self._workers_hold(current, views)
         plan = plan_key(current, rotation, self.known_key, settled)
         if plan.text is not None:
@@ -164,6 +171,23 @@ class ClusterController:
             self.key = key
         else:  # the same object: the link client's open channels sign with the new text
             self.key.replace(current.encode())
+
+    async def _keep_tls(self, body: kopf.Body, spec: ClusterSpec) -> None:
+        """The link calls' TLS credentials from the workers' TLS Secret (read each pass: cert-manager renews it)."""
+        name = spec.security.tls_secret_name
+        if name is None:
+            self.tls = self.tls_items = None
+            return
+        found = await self.deps.kube.read_secret(self.namespace, name)
+        items = None if found is None else tuple(found[0].get(item, b"") for item in (CERT_FILE, KEY_FILE, CA_FILE))
+        if items is None or not all(items):
+            self._event(body, "Warning", "TLSSecretMissing", f"Secret {name} (spec.security.tlsSecretName) is "
+                        f"missing or lacks one of {CERT_FILE}, {KEY_FILE}, {CA_FILE}: workers cannot start and "
+                        "links cannot be made until it exists", key=("TLSSecretMissing", name))
+            return
+        if items != self.tls_items:
+            self.tls_items = (items[0], items[1], items[2])
+            self.tls = channel_credentials(*self.tls_items)
 
     async def _workers_hold(self, text: str, views: Sequence[PodView]) -> bool:
         """Whether every worker that answers reports the keys of `text` (terminating ones too: they still serve)."""
@@ -210,7 +234,7 @@ class ClusterController:
         draining = frozenset(v.name for v in views if v.is_draining and not v.is_gone)
         plan = plan_links(views, self.graph, now, reassert=reassert, keep=draining)
         unlink_ops = [op for _, ops in plan.unlink for op in ops]
-        results = await self.deps.links.run(unlink_ops + [op for _, op in plan.link], self.key)
+        results = await self.deps.links.run(unlink_ops + [op for _, op in plan.link], self.key, self.tls)
         self.deps.metrics.observe_links(results)
         self.graph.forget(pair for pair, _ in plan.unlink)
         self.graph.forget(stale_failures(self.graph, plan.desired))
@@ -259,7 +283,7 @@ class ClusterController:
         peers = [v.endpoint for v in self.latest.views
                  if v.role != pod.role and v.running and v.ip and not v.is_gone]
         ops = [op for peer in peers for op in (LinkOp(False, peer, pod.endpoint), LinkOp(False, pod.endpoint, peer))]
-        results = await self.deps.links.run(ops, self.key)
+        results = await self.deps.links.run(ops, self.key, self.tls)
         self.deps.metrics.observe_links(results)
         failed = {r.op.target.pod for r in results if not r.ok} | {r.op.payload.pod for r in results if not r.ok}
         # An edge whose unlink failed stays known: once the pod is gone, the pass unlinks the peer's side again.

@@ -87,16 +87,16 @@ class KubeApi:
         await self._call(True, self.core.patch_namespaced_service, name, namespace, patch, _preload_content=False)
         return True
 
-    async def read_secret_item(self, namespace: str, name: str, item: str) -> tuple[str, dict[str, str]] | None:
-        """One item of a Secret, decoded, and the Secret's annotations; None when there is no such Secret."""
+    async def read_secret(self, namespace: str, name: str) -> tuple[dict[str, bytes], dict[str, str]] | None:
+        """A Secret's items, decoded, and its annotations; None when there is no such Secret."""
         try:
             secret = await self._call(False, self.core.read_namespaced_secret, name, namespace)
         except ApiException as e:
             if e.status != 404:
                 raise
             return None
-        raw = (secret.data or {}).get(item, "")
-        return base64.b64decode(raw).decode(errors="replace"), dict(secret.metadata.annotations or {})
+        items = {k: base64.b64decode(v) for k, v in (secret.data or {}).items()}
+        return items, dict(secret.metadata.annotations or {})
 
     async def create_secret(self, namespace: str, body: Mapping[str, Any]) -> bool:
         """Create; False when a Secret of that name already exists."""

@@ -13,6 +13,8 @@ from disagg.proto import disagg_pd_pb2_grpc
 from disagg.workers.security.control import control_channel
 from disagg.workers.security.key import ClusterKey
 
+Credentials = tuple[ClusterKey | None, grpc.ChannelCredentials | None]  # what a channel signs with, its TLS
+
 
 class LinkClient:
     """gRPC `LinkInstance`/`UnlinkInstance` with a deadline per call, many calls at once.
@@ -24,24 +26,27 @@ class LinkClient:
 
     def __init__(self, timeout_s: float = 5.0, concurrency: int = 64) -> None:
         self.timeout_s = timeout_s
-        # Per address, the key its channel signs with (a cluster's key object is
-        # updated in place on rotation, so the channel follows it).
-        self._channels: dict[str, tuple[ClusterKey | None, grpc.aio.Channel]] = {}
+        # Per address, the key its channel signs with and the TLS it uses (a cluster's key object
+        # is updated in place on rotation, so the channel follows it).
+        self._channels: dict[str, tuple[Credentials, grpc.aio.Channel]] = {}
         self._limit = asyncio.Semaphore(concurrency)
         self.calls = 0  # RPCs sent, for the benchmark
 
-    def _stub(self, target: Endpoint, key: ClusterKey | None) -> disagg_pd_pb2_grpc.DisaggPDServiceStub:
+    def _stub(self, target: Endpoint, credentials: Credentials) -> disagg_pd_pb2_grpc.DisaggPDServiceStub:
         address = target.instance_name
         cached = self._channels.get(address)
-        if cached is None or cached[0] is not key:
+        if cached is None or any(a is not b for a, b in zip(cached[0], credentials)):
             if cached is not None:
                 asyncio.ensure_future(cached[1].close())
-            cached = self._channels[address] = (key, control_channel(address, key))
+            key, tls = credentials
+            cached = self._channels[address] = (credentials, control_channel(address, key, tls=tls))
         return disagg_pd_pb2_grpc.DisaggPDServiceStub(cached[1])
 
-    async def call(self, op: LinkOp, key: ClusterKey | None = None) -> LinkResult:
-        """`key`: the cluster key the call is signed with (None: the workers run --insecure)."""
-        stub = self._stub(op.target, key)
+    async def call(self, op: LinkOp, key: ClusterKey | None = None, tls: grpc.ChannelCredentials | None = None
+                   ) -> LinkResult:
+        """`key`: the cluster key the call is signed with (None: the workers run --insecure);
+        `tls`: the channel's mutual TLS (None: plaintext)."""
+        stub = self._stub(op.target, (key, tls))
         method = stub.LinkInstance if op.link else stub.UnlinkInstance
         began = time.monotonic()
         async with self._limit:
@@ -53,9 +58,10 @@ class LinkClient:
         error = "" if status.ok else f"{op.target.instance_name} answered ok=false"
         return LinkResult(op, status.ok, error, time.monotonic() - began)
 
-    async def run(self, ops: Sequence[LinkOp], key: ClusterKey | None = None) -> list[LinkResult]:
-        """All `ops` in parallel, signed with `key`, results in the same order."""
-        return list(await asyncio.gather(*(self.call(op, key) for op in ops)))
+    async def run(self, ops: Sequence[LinkOp], key: ClusterKey | None = None,
+                  tls: grpc.ChannelCredentials | None = None) -> list[LinkResult]:
+        """All `ops` in parallel, signed with `key` (over `tls`), results in the same order."""
+        return list(await asyncio.gather(*(self.call(op, key, tls) for op in ops)))
 
     def forget(self, addresses: Iterable[str]) -> None:
         """Drop channels of workers that are gone (their addresses may be reused)."""

@@ -15,7 +15,7 @@ import kopf
 
 from disagg.operator.crd import GROUP
 from disagg.operator.spec import ROLES, ClusterSpec, flag_args
-from disagg.proto.vocabulary import ADMIN_PORT, GRPC_PORT, HTTP_PORT, TRANSFER_PORT
+from disagg.proto.vocabulary import ADMIN_PORT, API_KEY_ENV, GRPC_PORT, HTTP_PORT, TRANSFER_PORT
 
 Obj = dict[str, Any]
 
@@ -40,6 +40,8 @@ KEY_MOUNT_DIR = "/etc/disagg/cluster-key"
 KEY_VOLUME = "cluster-key"
 KEY_FILE_MODE = 0o440  # owner root, group the pod's fsGroup (the chart sets one): the worker's user reads it
 ROTATION_ANNOTATION = f"{GROUP}/key-rotation"  # the step of a rotation in progress ("accept" or "sign")
+TLS_MOUNT_DIR = "/etc/disagg/tls"  # spec.security.tlsSecretName's Secret (workers/security/tls.py)
+TLS_VOLUME = "tls"
 # A cluster name becomes the Service name (a DNS-1035 label: at most 63
 # characters) and prefixes pod names; room is left for "-prefill-xxxxx".
 MAX_CLUSTER_NAME = 47
@@ -87,6 +89,8 @@ def worker_args(role: str, spec: ClusterSpec) -> list[str]:
     ]
     if not spec.security.insecure:
         args += ["--cluster-key-file", f"{KEY_MOUNT_DIR}/{KEY_ITEM}"]
+    if spec.security.tls_secret_name:
+        args += ["--tls-dir", TLS_MOUNT_DIR]
     return args + flag_args(spec, role) + list(spec.role(role).args)
 
 
@@ -118,6 +122,10 @@ def _env(role: str, spec: ClusterSpec) -> list[Obj]:
     # POD_IP comes first: the user's variables may refer to it as $(POD_IP).
     own = [field("POD_IP", "status.podIP"), field("POD_NAME", "metadata.name"),
            field("POD_NAMESPACE", "metadata.namespace")]
+    security = spec.security
+    if role == "prefill" and security.api_key_secret_name:  # the prefill serves the clients
+        own.append({"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": {
+            "name": security.api_key_secret_name, "key": security.api_key_secret_key}}})
     return own + [dict(v) for v in spec.role(role).env]
 
 
@@ -153,8 +161,11 @@ def worker_pod_spec(role: str, spec: ClusterSpec, pod_security_context: Mapping[
     }
     if security_context:
         container["securityContext"] = dict(security_context)
-    if not spec.security.insecure:  # the volume itself is the cluster's: worker_pod adds it
-        container["volumeMounts"] = [{"name": KEY_VOLUME, "mountPath": KEY_MOUNT_DIR, "readOnly": True}]
+    mounts = [{"name": KEY_VOLUME, "mountPath": KEY_MOUNT_DIR, "readOnly": True}] if not spec.security.insecure else []
+    if spec.security.tls_secret_name:
+        mounts.append({"name": TLS_VOLUME, "mountPath": TLS_MOUNT_DIR, "readOnly": True})
+    if mounts:  # the key's volume is the cluster's: worker_pod adds it
+        container["volumeMounts"] = mounts
     pod_spec: Obj = {
         "containers": [container],
         "restartPolicy": "Always",
@@ -164,6 +175,9 @@ def worker_pod_spec(role: str, spec: ClusterSpec, pod_security_context: Mapping[
         "enableServiceLinks": False,
         "automountServiceAccountToken": False,  # a worker never calls the Kubernetes API
     }
+    if spec.security.tls_secret_name:
+        pod_spec["volumes"] = [{"name": TLS_VOLUME, "secret": {"secretName": spec.security.tls_secret_name,
+                                                               "defaultMode": KEY_FILE_MODE}}]
     optional = {"nodeSelector": dict(r.node_selector), "tolerations": [dict(t) for t in r.tolerations],
                 "affinity": dict(r.affinity), "priorityClassName": r.priority_class_name,
                 "securityContext": dict(pod_security_context or {})}
@@ -197,8 +211,9 @@ def worker_pod(owner: Mapping[str, Any], role: str, name: str, spec: ClusterSpec
         "spec": pod_spec,
     }
     if not spec.security.insecure:
-        pod_spec["volumes"] = [{"name": KEY_VOLUME, "secret": {"secretName": key_secret_name(cluster),
-                                                               "defaultMode": KEY_FILE_MODE}}]
+        key_volume = {"name": KEY_VOLUME, "secret": {"secretName": key_secret_name(cluster),
+                                                     "defaultMode": KEY_FILE_MODE}}
+        pod_spec["volumes"] = [key_volume, *pod_spec.get("volumes", [])]
     kopf.adopt(pod, owner=kopf.Body(cast(kopf.RawBody, dict(owner))))
     return pod
 

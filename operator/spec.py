@@ -99,6 +99,14 @@ FIELDS: tuple[Field, ...] = (
     Field("security", "allowAnonymousPeers", "allow_anonymous_peers", bool, False,
           "Accept control calls that carry no credential at all (an xLLM peer); wrong ones are still refused.",
           flag="--allow-anonymous-peers"),
+    Field("security", "tlsSecretName", "tls_secret_name", str, None,
+          "A Secret in cert-manager's layout (tls.crt, tls.key, ca.crt) whose certificate names `disagg-worker`: "
+          "mutual TLS on the workers' gRPC and TCP KV transfer.", nonblank=True),
+    Field("security", "apiKeySecretName", "api_key_secret_name", str, None,
+          "A Secret in the cluster's namespace holding the client API key: the prefill pods then answer "
+          "/v1 only with `Authorization: Bearer <key>`.", nonblank=True),
+    Field("security", "apiKeySecretKey", "api_key_secret_key", str, "key", "The item of that Secret holding the key.",
+          nonblank=True),
 )
 
 
@@ -152,6 +160,9 @@ class ServiceSpec:
 class SecuritySpec:
     insecure: bool  # no cluster key: the operator makes no Secret and the workers run --insecure
     allow_anonymous_peers: bool
+    tls_secret_name: str | None  # mutual TLS between the workers (and the operator's link calls)
+    api_key_secret_name: str | None  # the clients' API key, for the prefill pods (the client endpoint)
+    api_key_secret_key: str
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,9 @@ HTTP_PORT = 8000  # the OpenAI API, /health, /ready, /metrics
 GRPC_PORT = 7777  # DisaggPDService
 TRANSFER_PORT = 26000  # the KV data path
 ADMIN_PORT = 8100  # /drain and xLLM's HTTP link routes: state changes, kept off the client port
+# Where a worker reads its client API key (the operator sets it from a Secret); an
+# environment variable stays out of `ps`, where a flag would show.
+API_KEY_ENV = "DISAGG_API_KEY"
 MAX_PORT = 65535
 MAX_KV_CONNECTIONS = 64  # TCP connections a decode may open per link
 

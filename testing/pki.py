@@ -71,10 +71,7 @@ def _name(common_name: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
 
 
-def write_pki(directory: Path, hosts: list[str]) -> PkiFiles:
-    """Create the CA, the serving certificate for `hosts` and the SA key pair."""
-    directory.mkdir(parents=True, exist_ok=True)
-    now = datetime.datetime.now(datetime.timezone.utc)
+def _ca(now: datetime.datetime) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
     # EC keys for TLS: generating them is instant, unlike RSA.
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_cert = (
@@ -96,25 +93,56 @@ def write_pki(directory: Path, hosts: list[str]) -> PkiFiles:
         )
         .sign(ca_key, hashes.SHA256())
     )
+    return ca_key, ca_cert
+
+
+def _leaf(ca: tuple[ec.EllipticCurvePrivateKey, x509.Certificate], common_name: str, hosts: list[str],
+          usages: list[x509.ObjectIdentifier], now: datetime.datetime) -> tuple[ec.EllipticCurvePrivateKey,
+                                                                                 x509.Certificate]:
+    """A key and a certificate signed by `ca` for `hosts` (IP addresses or DNS names)."""
     sans: list[x509.GeneralName] = []
     for host in hosts:
         try:
             sans.append(x509.IPAddress(ipaddress.ip_address(host)))
         except ValueError:
             sans.append(x509.DNSName(host))
-    serving_key = ec.generate_private_key(ec.SECP256R1())
-    serving_cert = (
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (
         x509.CertificateBuilder()
-        .subject_name(_name("kube-apiserver"))
-        .issuer_name(ca_cert.subject)
-        .public_key(serving_key.public_key())
+        .subject_name(_name(common_name))
+        .issuer_name(ca[1].subject)
+        .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + _VALIDITY)
         .add_extension(x509.SubjectAlternativeName(sans), critical=False)
-        .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-        .sign(ca_key, hashes.SHA256())
+        .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+        .sign(ca[0], hashes.SHA256())
     )
+    return key, cert
+
+
+def write_tls_folder(directory: Path, hosts: list[str]) -> Path:
+    """A folder in cert-manager's Secret layout (tls.crt, tls.key, ca.crt) with a new CA and
+    one certificate for `hosts`, good for both ends of mutual TLS."""
+    directory.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca = _ca(now)
+    usages = [x509.oid.ExtendedKeyUsageOID.SERVER_AUTH, x509.oid.ExtendedKeyUsageOID.CLIENT_AUTH]
+    key, cert = _leaf(ca, hosts[0], hosts, usages, now)
+    (directory / "ca.crt").write_bytes(ca[1].public_bytes(serialization.Encoding.PEM))
+    (directory / "tls.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    _write_key(directory / "tls.key", key)
+    return directory
+
+
+def write_pki(directory: Path, hosts: list[str]) -> PkiFiles:
+    """Create the CA, the serving certificate for `hosts` and the SA key pair."""
+    directory.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_key, ca_cert = _ca(now)
+    serving_key, serving_cert = _leaf((ca_key, ca_cert), "kube-apiserver", hosts,
+                                      [x509.oid.ExtendedKeyUsageOID.SERVER_AUTH], now)
     # Service-account tokens are RS256 by convention; 2048 bits is the minimum
     # the API server accepts.
     sa_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)

@@ -11,12 +11,12 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from disagg.proto.vocabulary import DEVICES, DTYPES, TRANSFER_MODES, TRANSPORTS
+from disagg.proto.vocabulary import API_KEY_ENV, DEVICES, DTYPES, TRANSFER_MODES, TRANSPORTS
 from disagg.workers.config import Role, ServerConfig, TransferMode, Transport
 from disagg.workers.engine.config import EngineConfig
 from disagg.workers.security.key import KEY_FILE_ENV, ClusterKey, default_key_file
+from disagg.workers.security.tls import CA_FILE, CERT_FILE, KEY_FILE, TlsFiles
 
-API_KEY_ENV = "DISAGG_API_KEY"  # a key in the environment stays out of `ps`
 
 
 def _default(cls: type, name: str) -> Any:
@@ -94,6 +94,14 @@ def add_key_arguments(p: argparse.ArgumentParser) -> None:
                        help=f"the cluster's shared key (default: ${KEY_FILE_ENV})")
     group.add_argument("--insecure", action="store_true",
                        help="no cluster key: anyone who reaches the ports can link, send requests and read KV")
+    p.add_argument("--tls-dir", default=None, metavar="DIR",
+                   help=f"mutual TLS for gRPC and the TCP KV transfer: {CERT_FILE}, {KEY_FILE} and {CA_FILE} in DIR "
+                        "(a cert-manager Secret's layout); default: plaintext")
+
+
+def tls_files(args: argparse.Namespace) -> TlsFiles | None:
+    """The TLS folder of --tls-dir, checked; None without it. ValueError when its files are unusable."""
+    return None if args.tls_dir is None else TlsFiles.from_folder(args.tls_dir)
 
 
 def cluster_key(args: argparse.Namespace) -> ClusterKey | None:
@@ -136,6 +144,7 @@ def build_configs(args: argparse.Namespace, env: Mapping[str, str] | None = None
         cluster_key=None if args.role == Role.MIXED.value and not args.cluster_key_file else cluster_key(args),
         insecure=args.insecure,
         allow_anonymous_peers=args.allow_anonymous_peers,
+        tls=tls_files(args),
         threads=args.threads,
         vllm_metric_aliases=args.vllm_metric_aliases,
     )

@@ -26,6 +26,7 @@ from disagg.proto.vocabulary import (
 )
 
 from disagg.workers.security.key import ClusterKey
+from disagg.workers.security.tls import TlsFiles
 
 __all__ = ["Role", "ServerConfig", "TransferMode", "Transport", "default_kv_connections", "default_threads",
            "usable_cpus"]
@@ -64,6 +65,8 @@ class ServerConfig:
     insecure: bool = False
     # Accept control calls that carry no credential at all (an xLLM peer); a wrong one is still refused.
     allow_anonymous_peers: bool = False
+    # Mutual TLS for gRPC and the TCP KV transfer (security/tls.py); None: plaintext.
+    tls: TlsFiles | None = None
     # torch's intra-op threads. None: default_threads().
     threads: int | None = None
     # Clients of the OpenAI API send it as `Authorization: Bearer`; None: open.

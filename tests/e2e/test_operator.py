@@ -8,6 +8,7 @@ link tests need the PD roles of the workers (LinkInstance on the gRPC port).
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import signal
@@ -18,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
+import grpc
 import httpx
 import kopf
 import pytest
@@ -33,17 +35,23 @@ from disagg.operator.link_client import LinkClient
 from disagg.operator.metrics import OperatorMetrics
 from disagg.operator.reconcile import pod_view
 from disagg.operator.settings import OperatorSettings
+from disagg.proto import disagg_pd_pb2, disagg_pd_pb2_grpc
 from disagg.testing.cluster import LocalCluster, wait_until
 from disagg.testing.controlplane import free_port
 from disagg.testing.kubelet import HOSTNAME_LABEL, LocalKubelet
 from disagg.testing.rest import Obj
+from disagg.testing.pki import write_tls_folder
 from disagg.testing.tiny_model import build_tiny_model
+from disagg.workers.security.control import METADATA_KEY
+from disagg.workers.security.key import ClusterKey
+from disagg.workers.security.tls import TLS_SERVER_NAME
 
 pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[2]
 WAIT_S = 120.0
 MODEL_NAME = "tiny-llama"
+LINK_METHOD = "/xllm.proto.DisaggPDService/LinkInstance"
 
 
 # ---- fixtures ----------------------------------------------------------------
@@ -650,3 +658,102 @@ def test_prefill_service_endpoints_list_only_the_linked_prefill(
     assert ports == [m.HTTP_PORT]
     (address,) = _ready_addresses(endpoints)
     assert _chat(address, ports[0]) == reference
+
+
+def _key_secret(core: client.CoreV1Api, namespace: str) -> dict[str, Any] | None:
+    try:
+        got = core.read_namespaced_secret(m.key_secret_name("llm"), namespace, _request_timeout=10)
+    except ApiException as e:
+        if e.status == 404:
+            return None
+        raise
+    secret: dict[str, Any] = core.api_client.sanitize_for_serialization(got)
+    return secret
+
+
+def _key_text(secret: dict[str, Any]) -> str:
+    return base64.b64decode(secret["data"][m.KEY_ITEM]).decode()
+
+
+def _link_status(ip: str, key: ClusterKey | None) -> grpc.StatusCode:
+    """The code a LinkInstance call signed with `key` (None: unsigned) gets from the worker at `ip`."""
+    metadata = [(METADATA_KEY, key.credential(LINK_METHOD))] if key is not None else []
+    with grpc.insecure_channel(f"{ip}:{m.GRPC_PORT}") as channel:
+        stub = disagg_pd_pb2_grpc.DisaggPDServiceStub(channel)
+        try:
+            stub.LinkInstance(disagg_pd_pb2.InstanceClusterInfo(), timeout=10, metadata=metadata)
+        except grpc.RpcError as e:
+            return cast(grpc.StatusCode, e.code())
+    return grpc.StatusCode.OK
+
+
+def test_the_cluster_key_is_made_mounted_and_rotated_without_a_failed_request(
+        operator: OperatorProcess, custom: client.CustomObjectsApi, core: client.CoreV1Api, namespace: str,
+        tiny_model: Path, reference: tuple[str, list[int]]) -> None:
+    created = create(custom, namespace, cluster_body("llm", str(tiny_model)))
+    wait_until(lambda: _settled(custom, core, namespace, 1, 1), WAIT_S, "one prefill and one decode, linked")
+    secret = _key_secret(core, namespace)
+    assert secret is not None and secret["type"] == "Opaque"
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == created["metadata"]["uid"]
+    old = ClusterKey(_key_text(secret).encode())
+    workers = pods(core, namespace)
+    for pod in workers:
+        assert pod["spec"]["volumes"][0]["secret"]["secretName"] == m.key_secret_name("llm")
+        assert "--cluster-key-file" in pod["spec"]["containers"][0]["args"]
+        health = httpx.get(f"http://{pod['status']['podIP']}:{m.HTTP_PORT}/health", timeout=10).json()
+        assert health["insecure"] is False and health["cluster_key"] == old.fingerprint()
+    (decode,) = pods(core, namespace, "decode")
+    decode_ip = decode["status"]["podIP"]
+    # A caller without the key, or with another one, is refused.
+    assert _link_status(decode_ip, None) == grpc.StatusCode.UNAUTHENTICATED
+    assert _link_status(decode_ip, ClusterKey.generate()) == grpc.StatusCode.UNAUTHENTICATED
+
+    with Load(core, namespace, reference) as load:
+        load.wait_for(2)
+        core.delete_namespaced_secret(m.key_secret_name("llm"), namespace, _request_timeout=10)
+
+        def rotated() -> str | None:
+            s = _key_secret(core, namespace)
+            if s is None or (s["metadata"].get("annotations") or {}).get(m.ROTATION_ANNOTATION):
+                return None
+            text = _key_text(s).strip()
+            return text if "\n" not in text and text != _key_text(secret).strip() else None
+
+        new = ClusterKey(wait_until(rotated, WAIT_S, "the three steps of the rotation").encode())
+        load.wait_for(3)
+    assert not load.failures, load.failures
+    assert sorted(r for r in _reasons(core, namespace) if r.startswith("Key")) == [
+        "KeyRotated", "KeyRotationSigning", "KeyRotationStarted"]
+    # The same pods, never restarted, take the new key alone (the last step reaches them after the
+    # kubelet's next volume sync): the old one is refused from then on.
+    assert {p["metadata"]["uid"] for p in pods(core, namespace)} == {p["metadata"]["uid"] for p in workers}
+    assert all(p["status"]["containerStatuses"][0]["restartCount"] == 0 for p in pods(core, namespace))
+
+    def fingerprints() -> set[str]:
+        return {httpx.get(f"http://{p['status']['podIP']}:{m.HTTP_PORT}/health", timeout=10).json()["cluster_key"]
+                for p in workers}
+
+    wait_until(lambda: fingerprints() == {new.fingerprint()}, WAIT_S, "every worker on the new key alone")
+    assert _link_status(decode_ip, old) == grpc.StatusCode.UNAUTHENTICATED
+    assert _link_status(decode_ip, new) != grpc.StatusCode.UNAUTHENTICATED  # the key passes; the empty info does not
+
+
+def test_workers_link_and_serve_over_mutual_tls_from_a_secret(
+        operator: OperatorProcess, custom: client.CustomObjectsApi, core: client.CoreV1Api, namespace: str,
+        tiny_model: Path, reference: tuple[str, list[int]], tmp_path: Path) -> None:
+    folder = write_tls_folder(tmp_path / "tls", [TLS_SERVER_NAME])  # what cert-manager would put in the Secret
+    core.create_namespaced_secret(namespace, {
+        "metadata": {"name": "llm-tls"}, "type": "kubernetes.io/tls",
+        "stringData": {name: (folder / name).read_text() for name in ("tls.crt", "tls.key", "ca.crt")}},
+        _request_timeout=10)
+    body = cluster_body("llm", str(tiny_model))
+    body["spec"]["security"] = {"tlsSecretName": "llm-tls"}
+    create(custom, namespace, body)
+    wait_until(lambda: _settled(custom, core, namespace, 1, 1), WAIT_S, "one prefill and one decode, linked over TLS")
+    (prefill,) = pods(core, namespace, "prefill")
+    (decode,) = pods(core, namespace, "decode")
+    assert "--tls-dir" in decode["spec"]["containers"][0]["args"]
+    assert _chat(prefill["status"]["podIP"]) == reference
+    # The key alone no longer gets a caller in: the gRPC port speaks only TLS.
+    key = ClusterKey(_key_text(cast(dict[str, Any], _key_secret(core, namespace))).encode())
+    assert _link_status(decode["status"]["podIP"], key) == grpc.StatusCode.UNAVAILABLE

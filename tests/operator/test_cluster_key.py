@@ -79,3 +79,23 @@ def test_a_secret_replaced_by_hand_is_staged_not_applied_at_once() -> None:
     assert plan.rotation == ACCEPT and keys_of(plan.text or "") == [OLD, NEW] and not plan.create
     # After an operator restart nothing is known: the Secret is taken as it is.
     assert plan_key(NEW, None, None, settled=True).text is None
+
+
+def test_the_client_api_key_comes_from_the_named_secret_into_the_prefill_only(owner: Callable[..., Any]) -> None:
+    spec = parse_spec({"model": {"source": "m"}, "security": {"apiKeySecretName": "llm-api-key"}})
+    prefill = m.worker_pod(owner(), "prefill", "llm-prefill-abcde", spec)["spec"]["containers"][0]["env"]
+    assert {"name": "DISAGG_API_KEY", "valueFrom": {"secretKeyRef": {"name": "llm-api-key", "key": "key"}}} in prefill
+    decode = m.worker_pod(owner(), "decode", "llm-decode-abcde", spec)["spec"]["containers"][0]["env"]
+    assert all(v["name"] != "DISAGG_API_KEY" for v in decode)
+
+
+def test_a_tls_secret_is_mounted_and_renaming_it_rolls_the_pods(owner: Callable[..., Any]) -> None:
+    spec = parse_spec({"model": {"source": "m"}, "security": {"tlsSecretName": "llm-tls"}})
+    pod = m.worker_pod(owner("llm"), "decode", "llm-decode-abcde", spec)
+    assert [v["secret"]["secretName"] for v in pod["spec"]["volumes"]] == ["llm-cluster-key", "llm-tls"]
+    container = pod["spec"]["containers"][0]
+    assert {"name": m.TLS_VOLUME, "mountPath": m.TLS_MOUNT_DIR, "readOnly": True} in container["volumeMounts"]
+    assert container["args"][container["args"].index("--tls-dir") + 1] == m.TLS_MOUNT_DIR
+    other = parse_spec({"model": {"source": "m"}, "security": {"tlsSecretName": "llm-tls-2"}})
+    assert m.current_templates(spec) != m.current_templates(other)
+    assert "--tls-dir" not in m.worker_args("decode", parse_spec({"model": {"source": "m"}}))

@@ -79,11 +79,12 @@ class _Coalescer:
 
 
 class PeerClients:
-    """Every call carries a credential of `key` (None: none, --insecure)."""
+    """Every call carries a credential of `key` (None: none, --insecure), over TLS with `tls` (None: plaintext)."""
 
-    def __init__(self, config: PDConfig, key: ClusterKey | None) -> None:
+    def __init__(self, config: PDConfig, key: ClusterKey | None, tls: grpc.ChannelCredentials | None = None) -> None:
         self._config = config
         self._key = key
+        self._tls = tls
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._coalescers: dict[str, _Coalescer] = {}
 
@@ -92,7 +93,7 @@ class PeerClients:
             limit = self._config.max_message_bytes
             self._channels[address] = control_channel(
                 address, self._key,
-                [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)],
+                [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)], self._tls,
             )
         return self._channels[address]
 

@@ -15,6 +15,7 @@ from disagg.proto.vocabulary import TRANSFER_PORT, InstanceInfo
 
 if TYPE_CHECKING:
     from disagg.workers.security.key import ClusterKey
+    from disagg.workers.security.tls import TlsFiles
 
 
 def add_link_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,8 +32,9 @@ def add_link_arguments(p: argparse.ArgumentParser) -> None:
 
 
 async def _call(target: str, method: str, instance: str, transfer_port: int, timeout: float,
-                key: ClusterKey | None) -> str | None:
-    """One LinkInstance/UnlinkInstance on `target` with `instance`'s info, signed with `key`; the error, or None."""
+                key: ClusterKey | None, tls: TlsFiles | None) -> str | None:
+    """One LinkInstance/UnlinkInstance on `target` with `instance`'s info, signed with `key`
+    (over TLS with `tls`); the error, or None."""
     import grpc
 
     from disagg.proto import disagg_pd_pb2_grpc
@@ -43,7 +45,7 @@ async def _call(target: str, method: str, instance: str, transfer_port: int, tim
         message = InstanceInfo(instance, f"{host}:{transfer_port}").to_proto()  # cluster_id needs an IPv4 host
     except ValueError as exc:
         return str(exc)
-    async with control_channel(target, key) as channel:
+    async with control_channel(target, key, tls=None if tls is None else tls.grpc_channel_credentials()) as channel:
         stub = disagg_pd_pb2_grpc.DisaggPDServiceStub(channel)
         try:
             status = await getattr(stub, method)(message, timeout=timeout)
@@ -53,41 +55,42 @@ async def _call(target: str, method: str, instance: str, transfer_port: int, tim
 
 
 def link_call(decode: str, prefill: str, prefill_transfer_port: int, timeout: float,
-              key: ClusterKey | None) -> str | None:
+              key: ClusterKey | None, tls: TlsFiles | None = None) -> str | None:
     """LinkInstance on the decode, payload = the prefill; the refusal's reason, or None."""
-    return asyncio.run(_call(decode, "LinkInstance", prefill, prefill_transfer_port, timeout, key))
+    return asyncio.run(_call(decode, "LinkInstance", prefill, prefill_transfer_port, timeout, key, tls))
 
 
 def unlink_calls(decode: str, decode_transfer_port: int, prefill: str, prefill_transfer_port: int,
-                 timeout: float, key: ClusterKey | None) -> list[str]:
+                 timeout: float, key: ClusterKey | None, tls: TlsFiles | None = None) -> list[str]:
     """UnlinkInstance on both sides at once; the errors, each naming its side."""
 
     async def both() -> list[str | None]:
         return list(await asyncio.gather(
-            _call(decode, "UnlinkInstance", prefill, prefill_transfer_port, timeout, key),
-            _call(prefill, "UnlinkInstance", decode, decode_transfer_port, timeout, key),
+            _call(decode, "UnlinkInstance", prefill, prefill_transfer_port, timeout, key, tls),
+            _call(prefill, "UnlinkInstance", decode, decode_transfer_port, timeout, key, tls),
         ))
 
     answers = asyncio.run(both())
     return [f"{side}: {error}" for side, error in zip((decode, prefill), answers) if error]
 
 
-def _key(args: argparse.Namespace, command: str) -> tuple[ClusterKey | None, int]:
-    """The key of --cluster-key-file (None with --insecure), or the exit code of a clear error."""
-    from disagg.workers.args import cluster_key
+def _credentials(args: argparse.Namespace, command: str) -> tuple[ClusterKey | None, TlsFiles | None, int]:
+    """The key of --cluster-key-file (None with --insecure) and the TLS files of --tls-dir,
+    or the exit code of a clear error."""
+    from disagg.workers.args import cluster_key, tls_files
 
     try:
-        return cluster_key(args), 0
+        return cluster_key(args), tls_files(args), 0
     except ValueError as exc:
         print(f"disagg {command}: {exc}", file=sys.stderr)
-        return None, 2
+        return None, None, 2
 
 
 def run_link(args: argparse.Namespace) -> int:
-    key, code = _key(args, "link")
+    key, tls, code = _credentials(args, "link")
     if code:
         return code
-    error = link_call(args.decode, args.prefill, args.prefill_transfer_port, args.timeout, key)
+    error = link_call(args.decode, args.prefill, args.prefill_transfer_port, args.timeout, key, tls)
     if error:
         print(f"disagg link: {args.decode} refused: {error}", file=sys.stderr)
         return 1
@@ -96,11 +99,11 @@ def run_link(args: argparse.Namespace) -> int:
 
 
 def run_unlink(args: argparse.Namespace) -> int:
-    key, code = _key(args, "unlink")
+    key, tls, code = _credentials(args, "unlink")
     if code:
         return code
     errors = unlink_calls(args.decode, args.decode_transfer_port, args.prefill, args.prefill_transfer_port,
-                          args.timeout, key)
+                          args.timeout, key, tls)
     for error in errors:
         print(f"disagg unlink: {error}", file=sys.stderr)
     if not errors:

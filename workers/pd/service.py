@@ -209,9 +209,10 @@ async def _parse_info(msg: pb.InstanceClusterInfo) -> InstanceInfo:
         raise errors.InvalidMessage(f"bad InstanceClusterInfo: {exc}") from exc
 
 
-def build_grpc_server(handlers: Handlers, address: str, max_message_bytes: int,
-                      guard: ControlGuard) -> grpc.aio.Server:
-    """An asyncio gRPC server of a role's handlers on `address` (not started); `guard` checks every call first."""
+def build_grpc_server(handlers: Handlers, address: str, max_message_bytes: int, guard: ControlGuard,
+                      tls: grpc.ServerCredentials | None = None) -> grpc.aio.Server:
+    """An asyncio gRPC server of a role's handlers on `address` (not started); `guard` checks every call
+    first. With `tls` the port serves mutual TLS only (a plaintext client fails its connection)."""
     server = grpc.aio.server(interceptors=[AuthInterceptor(guard)], options=[
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
@@ -219,7 +220,10 @@ def build_grpc_server(handlers: Handlers, address: str, max_message_bytes: int,
     disagg_pd_pb2_grpc.add_DisaggPDServiceServicer_to_server(DisaggPDServicer(handlers), server)
     if handlers.generations is not None:
         xllm_service_pb2_grpc.add_XllmRpcServiceServicer_to_server(XllmRpcServicer(handlers.generations), server)
-    server.add_insecure_port(address)
+    if tls is None:
+        server.add_insecure_port(address)
+    else:
+        server.add_secure_port(address, tls)
     return server
 
 

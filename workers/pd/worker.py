@@ -57,9 +57,12 @@ class PDWorker:
     async def start(self) -> None:
         await self.role.start()
         address = f"{self._server_config.host}:{self._server_config.grpc_port}"
-        self._grpc = build_grpc_server(self.handlers, address, self._config.max_message_bytes, self._guard)
+        tls = self._server_config.tls
+        self._grpc = build_grpc_server(self.handlers, address, self._config.max_message_bytes, self._guard,
+                                       None if tls is None else tls.grpc_server_credentials())
         await self._grpc.start()
-        log.info("DisaggPDService of %s on %s", self._server_config.instance_name, address)
+        log.info("DisaggPDService of %s on %s%s", self._server_config.instance_name, address,
+                 " (mutual TLS)" if tls is not None else "")
 
     async def stop(self) -> None:
         if self._grpc is not None:
@@ -120,8 +123,10 @@ def _load(engine_config: EngineConfig, server_config: ServerConfig, metrics: Wor
                                  num_connections=connections, key=key,
                                  on_auth_failure=lambda: metrics.count_auth_failure("transfer"),
                                  access=BlockAccess(on_refused=lambda: metrics.count_auth_failure("transfer")),
-                                 accepts_links=server_config.role is Role.PREFILL)  # a decode opens its own
+                                 accepts_links=server_config.role is Role.PREFILL,  # a decode opens its own
+                                 tls=server_config.tls)
     bound = transport.start(server_config.host, server_config.transfer_port)
     transfer_address = f"{server_config.instance_host}:{bound.rpartition(':')[2]}"
     guard = ControlGuard(key, server_config.allow_anonymous_peers, metrics.count_auth_failure)
-    return _Parts(loaded, transport, transfer_address, PeerClients(config, key), config, guard)
+    tls = None if server_config.tls is None else server_config.tls.grpc_channel_credentials()
+    return _Parts(loaded, transport, transfer_address, PeerClients(config, key, tls), config, guard)

@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 
 from disagg.workers.security.key import AuthError, ClusterKey, CredentialVerifier
+from disagg.workers.security.tls import GRPC_CHANNEL_OPTIONS
 
 log = logging.getLogger(__name__)
 
@@ -101,11 +102,14 @@ class CredentialInterceptor(grpc.aio.UnaryUnaryClientInterceptor):
         return await continuation(signed, request)
 
 
-def control_channel(address: str, key: ClusterKey | None,
-                    options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
-    """A channel to a worker's gRPC port whose calls carry credentials of `key` (None: none)."""
+def control_channel(address: str, key: ClusterKey | None, options: Sequence[tuple[str, Any]] = (),
+                    tls: grpc.ChannelCredentials | None = None) -> grpc.aio.Channel:
+    """A channel to a worker's gRPC port whose calls carry credentials of `key` (None: none),
+    over TLS with `tls` (security/tls.py; None: plaintext)."""
     interceptors = [CredentialInterceptor(key)] if key is not None else None
-    return grpc.aio.insecure_channel(address, options=list(options), interceptors=interceptors)
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=list(options), interceptors=interceptors)
+    return grpc.aio.secure_channel(address, tls, options=[*options, *GRPC_CHANNEL_OPTIONS], interceptors=interceptors)
 
 
 def http_method(path: str) -> str:

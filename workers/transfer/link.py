@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import secrets
 import socket
+import ssl
 import threading
 import time
 import uuid
@@ -37,6 +38,7 @@ from disagg.workers.transfer.base import (
     TransferTimeout,
 )
 from disagg.workers.security.key import AuthError, ClusterKey
+from disagg.workers.security.tls import TLS_SERVER_NAME, TlsFiles
 from disagg.workers.transfer.handshake import (
     Challenge,
     Hello,
@@ -82,6 +84,7 @@ class LinkedTransport(KVTransport):
         max_pending: int = DEFAULT_MAX_PENDING,
         access: BlockAccess | None = None,
         accepts_links: bool = True,
+        tls: TlsFiles | None = None,
     ) -> None:
         """
         Args:
@@ -96,6 +99,7 @@ class LinkedTransport(KVTransport):
                 (None: any block of the pool, as for a bare transport).
             accepts_links: False refuses every handshaken link this side did not open
                 (a decode: KV comes only on the links it opened, to the prefills it named).
+            tls: mutual TLS on every connection, opened and accepted (None: plaintext).
         """
         super().__init__(pool, layout, instance_name, grpc_address)
         if not 1 <= num_connections <= 64:
@@ -108,6 +112,7 @@ class LinkedTransport(KVTransport):
         if max_pending < 1:
             raise ValueError(f"max_pending must be at least 1, got {max_pending}")
         self._key = key
+        self._tls = tls
         self._accepts_links = accepts_links
         if access is not None:
             self.access = access
@@ -160,6 +165,8 @@ class LinkedTransport(KVTransport):
             answers: list[tuple[Reply, Challenge]] = []
             for index in range(self.num_connections):
                 sock = socket.create_connection((host, port), timeout=max(deadline - time.monotonic(), 0.001))
+                if self._tls is not None:  # the TLS handshake runs here, under the connection's timeout
+                    sock = self._tls.client_context().wrap_socket(sock, server_hostname=TLS_SERVER_NAME)
                 socks.append(sock)
                 hello = Hello(
                     self.identity, self.name, session_id, index, self.num_connections,
@@ -277,6 +284,8 @@ class LinkedTransport(KVTransport):
         """Handshake one accepted connection, within one deadline; holds a pending slot until parked or closed."""
         deadline = time.monotonic() + self.io_timeout
         try:
+            if self._tls is not None:
+                sock = self._secured(sock, deadline)
             hello = recv_hello(sock, deadline)
             challenge = self._authenticated(sock, hello, deadline)
             if challenge is None:
@@ -308,6 +317,18 @@ class LinkedTransport(KVTransport):
             self._pending_slots.release()
             return
         self._collect(hello, sock, int(checksum))
+
+    def _secured(self, sock: socket.socket, deadline: float) -> socket.socket:
+        """`sock` after the server side of the TLS handshake; a peer without a certificate from
+        the cluster's CA fails it (counted as an authentication failure)."""
+        assert self._tls is not None, "called with TLS on"
+        sock.settimeout(max(deadline - time.monotonic(), 0.001))
+        try:
+            return self._tls.server_context().wrap_socket(sock, server_side=True)
+        except ssl.SSLError:
+            if self._on_auth_failure is not None:
+                self._on_auth_failure()
+            raise
 
     def _collect(self, hello: Hello, sock: socket.socket, checksum: int) -> None:
         """Group the connections of one session; open it once all have arrived.

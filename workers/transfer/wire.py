@@ -32,6 +32,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import socket
+import ssl
 import struct
 import zlib
 from collections.abc import Sequence
@@ -178,7 +179,7 @@ def _advance(views: list[memoryview], done: int) -> list[memoryview]:
     return left
 
 
-def _timed_out(exc: BlockingIOError, what: str) -> TimeoutError:
+def _timed_out(exc: OSError, what: str) -> TimeoutError:
     # A blocking socket whose SO_RCVTIMEO / SO_SNDTIMEO ran out reports EAGAIN.
     return TimeoutError(f"{what} made no progress within the socket timeout ({exc})")
 
@@ -191,10 +192,11 @@ def recv_into_views(sock: socket.socket, views: Sequence[memoryview]) -> None:
     the loop handles). Raises ConnectionError on EOF, TimeoutError on a stall.
     """
     left = [view for view in views if len(view)]
+    tls = isinstance(sock, ssl.SSLSocket)  # TLS has no scatter-gather calls: one view at a time
     while left:
         try:
-            n = sock.recvmsg_into(left[:MAX_IOV], 0, socket.MSG_WAITALL)[0]
-        except BlockingIOError as exc:
+            n = sock.recv_into(left[0]) if tls else sock.recvmsg_into(left[:MAX_IOV], 0, socket.MSG_WAITALL)[0]
+        except (BlockingIOError, ssl.SSLWantReadError) as exc:
             raise _timed_out(exc, "receive") from exc
         if n == 0:
             raise ConnectionError("peer closed the transfer connection")
@@ -204,10 +206,11 @@ def recv_into_views(sock: socket.socket, views: Sequence[memoryview]) -> None:
 def send_views(sock: socket.socket, views: Sequence[memoryview | bytes], flags: int = 0) -> None:
     """Send every buffer, in order, gathered into as few `sendmsg` calls as the kernel allows."""
     left = [memoryview(view) for view in views if len(view)]
+    tls = isinstance(sock, ssl.SSLSocket)
     while left:
         try:
-            n = sock.sendmsg(left[:MAX_IOV], (), flags)
-        except BlockingIOError as exc:
+            n = sock.send(left[0]) if tls else sock.sendmsg(left[:MAX_IOV], (), flags)
+        except (BlockingIOError, ssl.SSLWantWriteError) as exc:
             raise _timed_out(exc, "send") from exc
         left = _advance(left, n)
 
