@@ -25,6 +25,7 @@ from disagg.proto.vocabulary import (
     Transport,
 )
 
+from disagg.workers.pd.config import PDConfig
 from disagg.workers.security.key import ClusterKey
 from disagg.workers.security.tls import TlsFiles
 
@@ -75,6 +76,8 @@ class ServerConfig:
     max_queued_requests: int | None = None
     # Also export the routing and latency metrics under vLLM's names (vllm:*).
     vllm_metric_aliases: bool = False
+    # PDConfig.stream_idle_timeout_s, the one PD bound a user may want to set.
+    stream_idle_timeout_s: float = PDConfig.stream_idle_timeout_s
 
     def __post_init__(self) -> None:
         for name in ("http_port", "grpc_port", "transfer_port", "admin_port"):
@@ -102,6 +105,8 @@ class ServerConfig:
             )
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be blank")
+        if self.stream_idle_timeout_s <= 0:
+            raise ValueError(f"stream_idle_timeout_s must be positive, got {self.stream_idle_timeout_s}")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
         if self.kv_connections is not None and not 1 <= self.kv_connections <= MAX_KV_CONNECTIONS:

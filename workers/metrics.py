@@ -105,6 +105,10 @@ class WorkerMetrics:
         self.kv_cache_usage = Gauge("disagg_kv_cache_usage_ratio", "Fraction of KV cache blocks in use (0 to 1).",
                                     registry=r)
         self.links = Gauge("disagg_links", "Prefill/decode links this worker holds.", registry=r)
+        self.peers_unhealthy = Gauge(
+            "disagg_peers_unhealthy",
+            "Linked peers that stopped answering health checks (hung): no request goes there until they answer.",
+            registry=r)
         self.draining = Gauge("disagg_draining", "1 while the worker drains (POST /drain), else 0.", registry=r)
         # Every outcome shows as 0 from the start, so rate() works at once.
         for status in (RequestOutcome.OK, RequestOutcome.REJECTED, RequestOutcome.ABORTED, RequestOutcome.ERROR):

@@ -10,6 +10,7 @@ to decodes D1 and D2, and a mixed worker M as the reference.
 from __future__ import annotations
 
 import concurrent.futures
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -312,3 +313,63 @@ def test_a_killed_prefill_frees_its_requests_on_the_decode(cluster: Cluster, pro
     processes.wait_until(lambda: decode.metric("disagg_links") == 2, "only the dead prefill's link is gone",
                          timeout=FAULT_BOUND_S)
     assert complete(cluster.push, prompt_of(8)) == complete(cluster.mixed, prompt_of(8)), "survivors serve"
+
+
+def test_a_hung_decode_is_routed_around_and_its_streams_fail_fast(cluster: Cluster, processes: Any,
+                                                                  long_stream: Any) -> None:
+    """SIGSTOP: alive (its connections stay open) but silent. The prefill's health checks mark
+    it unhealthy within a few seconds, well before the stream's idle timeout."""
+    prefill = cluster.push
+    [victim] = processes.start(("decode",))
+    assert link(victim, prefill) is None
+    for d in cluster.decodes:  # only the victim takes new requests
+        httpx.post(f"{d.admin_url}/drain", timeout=10.0)
+    try:
+        start = free_blocks(prefill)
+        stream = long_stream(prefill)
+        victim.process.send_signal(signal.SIGSTOP)
+        try:
+            _ends_with_an_error(stream, "health checks")
+            assert prefill.metric("disagg_peers_unhealthy") == 1 and prefill.metric("disagg_links") == 3
+            for d in cluster.decodes:
+                httpx.delete(f"{d.admin_url}/drain", timeout=10.0)
+            # New requests go around it at once (not after an AddNewRequests deadline on the hung one).
+            assert complete(prefill, prompt_of(9)) == complete(cluster.mixed, prompt_of(9))
+            processes.wait_until(lambda: free_blocks(prefill) == start, "the prefill's blocks are free")
+        finally:
+            victim.process.send_signal(signal.SIGCONT)
+        # Answering again, it is healthy again, still linked.
+        processes.wait_until(lambda: prefill.metric("disagg_peers_unhealthy") == 0, "the decode is healthy again")
+        assert prefill.metric("disagg_links") == 3
+    finally:
+        for d in cluster.decodes:
+            httpx.delete(f"{d.admin_url}/drain", timeout=10.0)
+        assert not unlink(victim, prefill)
+        victim.kill()
+
+
+def test_a_stream_its_decode_dropped_unseen_ends_at_the_idle_timeout(cluster: Cluster, processes: Any,
+                                                                     long_stream: Any) -> None:
+    """The prefill pauses longer than the decode's Generations deadline: the decode drops the
+    request and cannot tell it. Once resumed, the prefill ends the stream after its idle
+    timeout instead of holding the client (and a drain) forever."""
+    decode = cluster.d1
+    [victim] = processes.start(("prefill", "--stream-idle-timeout", "3"))
+    assert link(decode, victim) is None
+    processes.wait_until(lambda: _ready(victim) == 200, "the victim is ready")
+    failed = decode.metric("disagg_requests_total", status="error")
+    try:
+        stream = long_stream(victim)
+        victim.process.send_signal(signal.SIGSTOP)
+        try:
+            # The decode's Generations call times out (10 s): it drops the request.
+            processes.wait_until(lambda: decode.metric("disagg_requests_total", status="error") == failed + 1,
+                                 "the decode dropped the request", timeout=FAULT_BOUND_S)
+        finally:
+            victim.process.send_signal(signal.SIGCONT)
+        _ends_with_an_error(stream, "sent no token")
+        processes.wait_until(lambda: victim.metric("disagg_requests_running") == 0,
+                             "the prefill no longer counts the request")
+    finally:
+        assert not unlink(decode, victim)
+        victim.kill()

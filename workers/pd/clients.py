@@ -7,6 +7,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from disagg.proto import common_pb2, disagg_pd_pb2 as pb, disagg_pd_pb2_grpc, xllm_service_pb2_grpc
 from disagg.workers.engine.outputs import RequestOutput
@@ -133,6 +134,15 @@ class PeerClients:
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.INVALID_ARGUMENT:
                 raise rpc_error(decode, exc) from exc
+
+    async def serving(self, address: str, timeout_s: float) -> bool:
+        """Whether the worker at `address` answers its gRPC health check SERVING within `timeout_s`."""
+        stub = health_pb2_grpc.HealthStub(self._channel(address))
+        try:
+            answer = await stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError:
+            return False
+        return bool(answer.status == health_pb2.HealthCheckResponse.SERVING)
 
     async def generations(self, prefill: str, outputs: list[RequestOutput]) -> list[bool]:
         """Stream outputs to their prefill, together with other requests' (`_Coalescer`); for each, whether it

@@ -16,6 +16,14 @@ class PDConfig:
     backoff_max_s: float = 1.0
     # A decode frees reserved blocks whose FirstGeneration has not come after this long.
     reservation_ttl_s: float = 120.0
+    # A prefill asks each linked decode's gRPC health service this often, with this deadline; after
+    # `health_failures` misses in a row the decode is unhealthy (hung: alive but not answering): no
+    # new request goes there and its streams fail, until it answers again.
+    health_interval_s: float = 1.0
+    health_timeout_s: float = 1.0
+    health_failures: int = 3
+    # A handed-off stream that gets no token for this long fails (its decode dropped it unseen).
+    stream_idle_timeout_s: float = 30.0
     max_message_bytes: int = 16 << 20  # a larger gRPC message is refused with RESOURCE_EXHAUSTED
 
     def __post_init__(self) -> None:

@@ -30,6 +30,7 @@ class PeerTable:
 
     def __init__(self, metrics: WorkerMetrics, on_lost: Callable[[str, str], Awaitable[None]]) -> None:
         self._sessions: dict[str, TransferSession] = {}
+        self._unhealthy: set[str] = set()  # linked, but not answering health checks (liveness.py)
         self._metrics = metrics
         self._on_lost = on_lost
         self._watcher: asyncio.Task[None] | None = None
@@ -47,8 +48,20 @@ class PeerTable:
         return self._sessions.get(name)
 
     def is_live(self, name: str) -> bool:
+        """Linked, its data path open, and answering health checks: requests may go there."""
         session = self._sessions.get(name)
-        return session is not None and session.is_open
+        return session is not None and session.is_open and name not in self._unhealthy
+
+    def set_healthy(self, name: str, healthy: bool) -> bool:
+        """Record a peer's health; True when that changed it."""
+        if name not in self._sessions or (name not in self._unhealthy) == healthy:
+            return False
+        if healthy:
+            self._unhealthy.discard(name)
+        else:
+            self._unhealthy.add(name)
+        self._metrics.peers_unhealthy.set(len(self._unhealthy))
+        return True
 
     def add(self, name: str, session: TransferSession) -> None:
         old = self._sessions.get(name)
@@ -67,6 +80,8 @@ class PeerTable:
         session = self._sessions.pop(name, None)
         if session is None:
             return False
+        self._unhealthy.discard(name)
+        self._metrics.peers_unhealthy.set(len(self._unhealthy))
         self._metrics.set_links(len(self._sessions))
         log.info("unlinked %s: %s", name, reason)
         session.close()

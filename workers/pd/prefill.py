@@ -41,6 +41,7 @@ from disagg.workers.metrics import WorkerMetrics
 from disagg.workers.pd.clients import PeerClients
 from disagg.workers.pd.config import PDConfig
 from disagg.workers.pd.errors import DecodeFailed, RequestFailed, RequestRefused
+from disagg.workers.pd.liveness import LivenessWatch
 from disagg.workers.pd.messages import FirstToken, NewRequest, TransferMode
 from disagg.workers.pd.pusher import KVPusher
 from disagg.workers.pd.relay import Stream, TokenRelay
@@ -81,6 +82,7 @@ class PrefillRole(EngineHealth["AsyncEngine[LLMEngine]"]):
         self.router = DecodeRouter(clients, metrics, config, instance_name, self._on_decode_lost)
         self.relay = TokenRelay(engine)
         self.pusher = KVPusher(metrics, config.transfer_timeout_s)
+        self.liveness = LivenessWatch(self.router.peers, self.router.address, clients, self.relay, config)
         self._tasks: set[asyncio.Task[None]] = set()
         if mode is TransferMode.PUSH:
             engine.set_layer_hook(self.pusher.layer_hook)
@@ -99,9 +101,11 @@ class PrefillRole(EngineHealth["AsyncEngine[LLMEngine]"]):
 
         self._transport.on_link = on_link
         self.router.peers.start_watching()
+        self.liveness.start()
 
     async def stop(self) -> None:
         """Unlink every decode (failing their requests) and close the channels."""
+        await self.liveness.stop()
         await self.router.peers.close()
         for task in list(self._tasks):
             task.cancel()

@@ -10,6 +10,7 @@ This is where re-issuing a stream to another decode will sit.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -28,9 +29,12 @@ class Stream:
     queue: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
     decode: str | None = None
     closed: bool = False  # the client side is done: later Generations are refused
+    handed_off: bool = False  # its first token went out: the decode generates the rest
+    last_output: float = field(default_factory=time.monotonic)
 
     def put(self, item: RequestOutput | BaseException) -> None:
         if not self.closed:
+            self.last_output = time.monotonic()
             self.queue.put_nowait(item)
 
     def outputs(self) -> AsyncIterator[RequestOutput]:
@@ -61,6 +65,7 @@ class TokenRelay:
     def first_token(self, stream: Stream, hand_off: RequestOutput) -> None:
         """The token the prefill sampled, to the client."""
         self._forward(stream, hand_off, None)
+        stream.handed_off = True
 
     async def generations(self, outputs: list[RequestOutput]) -> list[bool]:
         """A decode's deltas to their clients; False for requests no longer relayed."""
@@ -76,6 +81,14 @@ class TokenRelay:
         """A decode went away: fail the requests it was generating."""
         for stream in [s for s in self._streams.values() if s.decode == decode]:
             stream.put(DecodeFailed(f"the decode instance {decode} went away ({reason})"))
+
+    def fail_idle(self, timeout_s: float) -> None:
+        """Fail handed-off streams that got nothing from their decode for `timeout_s`."""
+        now = time.monotonic()
+        for stream in self._streams.values():
+            if stream.handed_off and not stream.closed and now - stream.last_output > timeout_s:
+                stream.put(DecodeFailed(f"the decode instance {stream.decode} sent no token for "
+                                        f"{timeout_s:.0f} s"))
 
     def _relay(self, out: RequestOutput) -> bool:
         stream = self._streams.get(out.request_id)

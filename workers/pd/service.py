@@ -19,6 +19,7 @@ from typing import Protocol, TypeVar
 
 import grpc
 from fastapi import FastAPI, Request
+from grpc_health.v1 import health, health_pb2_grpc
 from fastapi.responses import JSONResponse
 from google.protobuf import json_format
 
@@ -220,6 +221,8 @@ def build_grpc_server(handlers: Handlers, address: str, max_message_bytes: int, 
     disagg_pd_pb2_grpc.add_DisaggPDServiceServicer_to_server(DisaggPDServicer(handlers), server)
     if handlers.generations is not None:
         xllm_service_pb2_grpc.add_XllmRpcServiceServicer_to_server(XllmRpcServicer(handlers.generations), server)
+    # grpc.health.v1: what a prefill's liveness watch (and a Kubernetes gRPC probe) asks.
+    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
     if tls is None:
         server.add_insecure_port(address)
     else:

@@ -23,6 +23,8 @@ log = logging.getLogger(__name__)
 METADATA_KEY = "x-disagg-auth"
 HTTP_HEADER = "X-Disagg-Auth"
 REFUSAL = "missing or invalid cluster credential"  # all a refused caller learns
+# Open to anyone: the gRPC health check says only SERVING or not, and a Kubernetes gRPC probe cannot sign.
+OPEN_METHODS = frozenset({"/grpc.health.v1.Health/Check"})
 
 
 class ControlGuard:
@@ -48,7 +50,7 @@ class ControlGuard:
 
     def allows(self, method: str, credential: str | None, path: str) -> bool:
         """Whether a call of `method` with `credential` may proceed; a refusal is logged and counted."""
-        if self._verifier is None or (credential is None and self.allow_anonymous):
+        if self._verifier is None or (credential is None and self.allow_anonymous) or method in OPEN_METHODS:
             return True
         try:
             if credential is None:
