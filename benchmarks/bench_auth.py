@@ -1,7 +1,7 @@
-"""The cost of the cluster key: link time and TTFT of a prefill/decode pair on
-real `disagg serve` processes on loopback, with a key and with --insecure
-(a script, not a test). The two pairs run one after the other, so they do not
-compete for the cores.
+"""The cost of the cluster key and of TLS: link time and TTFT of a prefill/decode
+pair on real `disagg serve` processes on loopback, with --insecure, with a key,
+and with a key and mutual TLS (a script, not a test). The pairs run one after
+the other, so they do not compete for the cores.
 
 Link time is one `disagg link` call (a signed LinkInstance whose handler opens
 the transfer connections, each with the challenge-response when keyed), after
@@ -23,7 +23,9 @@ import httpx
 from bench_pd import SERVED, STARTUP_S, Prompts, ms, stream_one
 
 from disagg.workers.local import WorkerFailed, WorkerProcess, link, spawn_worker, unlink
+from disagg.testing.pki import write_tls_folder
 from disagg.workers.security.key import ClusterKey
+from disagg.workers.security.tls import TLS_SERVER_NAME
 
 
 def link_times(decode: WorkerProcess, prefill: WorkerProcess, count: int) -> list[float]:
@@ -46,13 +48,13 @@ async def ttfts(prefill: WorkerProcess, count: int, prompt_len: int, id_range: i
         return [(await stream_one(client, prefill, prompts.next(prompt_len), 2)).ttft_s for _ in range(count)]
 
 
-def measure(args: argparse.Namespace, key_file: Path | None, log_dir: Path) -> tuple[list[float], list[float]]:
-    """Start a pair (keyed when `key_file`), link it, measure, stop it."""
+def measure(args: argparse.Namespace, label: str, key_file: Path | None, tls_dir: Path | None,
+            log_dir: Path) -> tuple[list[float], list[float]]:
+    """Start a pair (keyed when `key_file`, over TLS when `tls_dir`), link it, measure, stop it."""
     extra = ["--served-model-name", SERVED, "--max-model-len", "1024"]
     env = {"OMP_NUM_THREADS": str(args.threads)}
-    label = "keyed" if key_file else "insecure"
-    workers = [spawn_worker(role, args.model, log_dir / f"{label}-{role}.log", extra, env=env, key_file=key_file)
-               for role in ("decode", "prefill")]
+    workers = [spawn_worker(role, args.model, log_dir / f"{label}-{role}.log", extra, env=env, key_file=key_file,
+                            tls_dir=tls_dir) for role in ("decode", "prefill")]
     try:
         for w in workers:
             w.wait_loaded(STARTUP_S)
@@ -84,15 +86,17 @@ def main() -> int:
     log_dir = Path(tempfile.mkdtemp(prefix="bench-auth-"))
     key_file = log_dir / "cluster.key"
     ClusterKey.generate().write(key_file)
+    tls_dir = write_tls_folder(log_dir / "tls", [TLS_SERVER_NAME])
+    pairs = (("insecure", None, None), ("keyed", key_file, None), ("keyed+tls", key_file, tls_dir))
     try:
-        results = {label: measure(args, kf, log_dir) for label, kf in (("insecure", None), ("keyed", key_file))}
+        results = {label: measure(args, label, kf, tls, log_dir) for label, kf, tls in pairs}
     except WorkerFailed as exc:
         print(f"bench_auth: {exc}", file=sys.stderr)
         return 1
     print(f"\nmodel {args.model}, PUSH over tcp, {args.threads} thread(s) per worker; mean / p90 in ms")
-    print(f"{'pair':9s} {'link (' + str(args.links) + ')':>19s}   {'TTFT (' + str(args.requests) + ')':>19s}")
+    print(f"{'pair':10s} {'link (' + str(args.links) + ')':>19s}   {'TTFT (' + str(args.requests) + ')':>19s}")
     for label, (links, firsts) in results.items():
-        print(f"{label:9s} {ms(links)}   {ms(firsts)}")
+        print(f"{label:10s} {ms(links)}   {ms(firsts)}")
     print(f"(logs in {log_dir})")
     return 0
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 
 from disagg.workers.security.key import ClusterKey
+from disagg.workers.security.tls import TlsFiles
 
 LOOPBACK = "127.0.0.1"
 
@@ -49,10 +50,15 @@ class WorkerProcess:
     log_path: Path
     process: subprocess.Popen[bytes] = field(repr=False)
     key_file: Path | None = None  # its --cluster-key-file; None: --insecure
+    tls_dir: Path | None = None  # its --tls-dir; None: plaintext
 
     @property
     def cluster_key(self) -> ClusterKey | None:
         return None if self.key_file is None else ClusterKey.from_file(self.key_file)
+
+    @property
+    def tls(self) -> TlsFiles | None:
+        return None if self.tls_dir is None else TlsFiles.from_folder(self.tls_dir)
 
     @property
     def base_url(self) -> str:
@@ -124,15 +130,17 @@ class WorkerProcess:
 
 def spawn_worker(role: str, model: str, log_path: Path, extra: Sequence[str] = (), host: str = LOOPBACK,
                  env: dict[str, str] | None = None, key_file: Path | None = None,
-                 threads: int | None = None) -> WorkerProcess:
+                 threads: int | None = None, tls_dir: Path | None = None) -> WorkerProcess:
     """Start `disagg serve --role ROLE` on free ports of `host`; returns at once (see `wait_loaded`).
 
-    A prefill or decode gets `--cluster-key-file key_file`, or `--insecure` when it is None.
+    A prefill or decode gets `--cluster-key-file key_file`, or `--insecure` when it is None,
+    and `--tls-dir tls_dir` when given.
     `threads`: its --threads; give workers that run at the same time their
     share of the CPUs (`default_threads(workers=N)`). None: the worker's default.
     """
     ports = [free_port(host) for _ in range(4)]
     auth = [] if role == "mixed" else ["--insecure"] if key_file is None else ["--cluster-key-file", str(key_file)]
+    auth += [] if tls_dir is None else ["--tls-dir", str(tls_dir)]
     cmd = [
         sys.executable, "-m", "disagg.workers", "serve", "--role", role, "--model", model, "--host", host,
         "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--transfer-port", str(ports[2]),
@@ -143,7 +151,7 @@ def spawn_worker(role: str, model: str, log_path: Path, extra: Sequence[str] = (
         process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                    env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})),
                                    process_group=0)
-    return WorkerProcess(role, host, ports[0], ports[1], ports[2], ports[3], log_path, process, key_file)
+    return WorkerProcess(role, host, ports[0], ports[1], ports[2], ports[3], log_path, process, key_file, tls_dir)
 
 
 def link(decode: WorkerProcess, prefill: WorkerProcess, timeout_s: float = 15.0) -> str | None:
@@ -151,7 +159,7 @@ def link(decode: WorkerProcess, prefill: WorkerProcess, timeout_s: float = 15.0)
     from disagg.workers.pd.commands import link_call
 
     return link_call(decode.instance_name, prefill.instance_name, prefill.transfer_port, timeout_s,
-                     decode.cluster_key)
+                     decode.cluster_key, decode.tls)
 
 
 def unlink(decode: WorkerProcess, prefill: WorkerProcess, timeout_s: float = 15.0) -> list[str]:
@@ -159,4 +167,4 @@ def unlink(decode: WorkerProcess, prefill: WorkerProcess, timeout_s: float = 15.
     from disagg.workers.pd.commands import unlink_calls
 
     return unlink_calls(decode.instance_name, decode.transfer_port, prefill.instance_name, prefill.transfer_port,
-                        timeout_s, decode.cluster_key)
+                        timeout_s, decode.cluster_key, decode.tls)

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from disagg.testing.pki import write_tls_folder
-from disagg.workers.local import WorkerProcess, spawn_worker
+from disagg.workers.local import WorkerProcess, link, spawn_worker
 from disagg.workers.pd.commands import link_call
 from disagg.workers.security.key import ClusterKey
 from disagg.workers.security.tls import TLS_SERVER_NAME, TlsFiles
@@ -32,8 +32,9 @@ def tls_pair(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     key_file = folder / "cluster.key"
     ClusterKey.generate().write(key_file)
     tls = write_tls_folder(folder / "certs", [TLS_SERVER_NAME])
-    workers = [spawn_worker(role, str(tiny_model_dir), folder / f"{role}.log", (*ENGINE_ARGS, "--tls-dir", str(tls)),
-                            env={"OMP_NUM_THREADS": "1"}, key_file=key_file) for role in ("decode", "prefill")]
+    workers = [spawn_worker(role, str(tiny_model_dir), folder / f"{role}.log", ENGINE_ARGS,
+                            env={"OMP_NUM_THREADS": "1"}, key_file=key_file, tls_dir=tls)
+               for role in ("decode", "prefill")]
     try:
         for worker in workers:
             worker.wait_loaded(STARTUP_S)
@@ -62,7 +63,7 @@ def test_a_pd_pair_serves_through_tls_and_refuses_plaintext_and_strangers(
     stranger = TlsFiles.from_folder(write_tls_folder(tmp_path / "other-ca", [TLS_SERVER_NAME]))
     assert _link(decode, prefill, stranger) is not None
     assert decode.metric("disagg_links") == 0
-    assert _link(decode, prefill, tls) is None  # the decode opens its TLS transfer connections to the prefill
+    assert link(decode, prefill) is None  # the decode opens its TLS transfer connections to the prefill
     tokens = _tokens(prefill)
     assert len(tokens) == BODY["max_tokens"]
     assert prefill.metric("disagg_kv_transfer_bytes_total") > 0 or decode.metric("disagg_kv_transfer_bytes_total") > 0
@@ -91,7 +92,7 @@ def test_unusable_tls_files_stop_the_worker_at_start(tiny_model_dir: Path, tmp_p
     key_file = tmp_path / "cluster.key"
     ClusterKey.generate().write(key_file)
     (tmp_path / "certs").mkdir()
-    worker = spawn_worker("decode", str(tiny_model_dir), tmp_path / "decode.log",
-                          (*ENGINE_ARGS, "--tls-dir", str(tmp_path / "certs")), key_file=key_file)
+    worker = spawn_worker("decode", str(tiny_model_dir), tmp_path / "decode.log", ENGINE_ARGS, key_file=key_file,
+                          tls_dir=tmp_path / "certs")
     assert worker.process.wait(timeout=120) == 2
     assert "tls.crt" in worker.log()

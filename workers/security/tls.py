@@ -19,8 +19,10 @@ from __future__ import annotations
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import grpc
+if TYPE_CHECKING:  # grpc loads only where a channel or server is made: `disagg serve --help` stays light
+    import grpc
 
 TLS_SERVER_NAME = "disagg-worker"  # the DNS name every worker certificate of a cluster carries
 CERT_FILE, KEY_FILE, CA_FILE = "tls.crt", "tls.key", "ca.crt"
@@ -67,6 +69,8 @@ class TlsFiles:
         return context
 
     def grpc_server_credentials(self) -> grpc.ServerCredentials:
+        import grpc
+
         return grpc.ssl_server_credentials([(self._read(KEY_FILE), self._read(CERT_FILE))],
                                            root_certificates=self._read(CA_FILE), require_client_auth=True)
 
@@ -76,4 +80,6 @@ class TlsFiles:
 
 def channel_credentials(cert: bytes, key: bytes, ca: bytes) -> grpc.ChannelCredentials:
     """A gRPC client's side of mutual TLS (the operator builds it from the Secret's items)."""
+    import grpc
+
     return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
