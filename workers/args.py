@@ -14,7 +14,7 @@ from typing import Any
 from disagg.proto.vocabulary import API_KEY_ENV, DEVICES, DTYPES, TRANSFER_MODES, TRANSPORTS
 from disagg.workers.config import Role, ServerConfig, TransferMode, Transport
 from disagg.workers.engine.config import EngineConfig
-from disagg.workers.security.key import KEY_FILE_ENV, ClusterKey, default_key_file
+from disagg.workers.security.key import KEY_ENV, KEY_FILE_ENV, ClusterKey, default_key_file, key_from_environment
 from disagg.workers.security.tls import CA_FILE, CERT_FILE, KEY_FILE, TlsFiles
 
 
@@ -94,7 +94,7 @@ def add_key_arguments(p: argparse.ArgumentParser) -> None:
     """--cluster-key-file and --insecure, shared by serve, link, unlink and demo."""
     group = p.add_mutually_exclusive_group()
     group.add_argument("--cluster-key-file", default=default_key_file(), metavar="PATH",
-                       help=f"the cluster's shared key (default: ${KEY_FILE_ENV})")
+                       help=f"the cluster's shared key (default: ${KEY_FILE_ENV}; else the key itself in ${KEY_ENV})")
     group.add_argument("--insecure", action="store_true",
                        help="no cluster key: anyone who reaches the ports can link, send requests and read KV")
     p.add_argument("--tls-dir", default=None, metavar="DIR",
@@ -108,12 +108,17 @@ def tls_files(args: argparse.Namespace) -> TlsFiles | None:
 
 
 def cluster_key(args: argparse.Namespace) -> ClusterKey | None:
-    """The key named by --cluster-key-file; None with --insecure. ValueError when neither is given."""
+    """The key named by --cluster-key-file, else the one in $DISAGG_CLUSTER_KEY; None with --insecure.
+    ValueError when none is given."""
     if args.insecure:
         return None
-    if not args.cluster_key_file:
-        raise ValueError(f"give --cluster-key-file PATH (or set {KEY_FILE_ENV}), or --insecure on purpose")
-    return ClusterKey.from_file(args.cluster_key_file)
+    if args.cluster_key_file:
+        return ClusterKey.from_file(args.cluster_key_file)
+    key = key_from_environment()
+    if key is None:
+        raise ValueError(f"give --cluster-key-file PATH (or set {KEY_FILE_ENV}, or the key itself in {KEY_ENV}), "
+                         "or --insecure on purpose")
+    return key
 
 
 def build_configs(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> tuple[EngineConfig, ServerConfig]:

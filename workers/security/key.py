@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 KEY_FILE_ENV = "DISAGG_CLUSTER_KEY_FILE"  # the default of every --cluster-key-file
+KEY_ENV = "DISAGG_CLUSTER_KEY"  # the key itself, when no file is named (a file is preferred: it can rotate)
 MIN_KEY_BYTES = 16
 MAX_KEY_BYTES = 4096
 DEFAULT_MAX_SKEW_S = 30.0
@@ -42,6 +43,17 @@ class AuthError(Exception):
 def default_key_file() -> str | None:
     """The key file named by DISAGG_CLUSTER_KEY_FILE, if set (the one place it is read)."""
     return os.environ.get(KEY_FILE_ENV) or None
+
+
+def key_from_environment() -> ClusterKey | None:
+    """The key in DISAGG_CLUSTER_KEY, if set (the one place it is read); ValueError if it is not a key."""
+    text = os.environ.get(KEY_ENV)
+    if not text:
+        return None
+    try:
+        return ClusterKey(text.encode())
+    except ValueError as exc:
+        raise ValueError(f"${KEY_ENV}: {exc}") from exc
 
 
 class ClusterKey:
