@@ -59,6 +59,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                     default=_default(s, "kv_transport").value, help="default %(default)s")
     kv.add_argument("--kv-connections", type=int, default=_default(s, "kv_connections"),
                     help="TCP connections a decode opens per link (default: one per two usable CPUs, 1 to 4)")
+    kv.add_argument("--kv-prefix-reuse", action=argparse.BooleanOptionalAction,
+                    default=_default(s, "kv_prefix_reuse"),
+                    help="a decode shares the prompt blocks its prefix cache already holds, and the prefill sends "
+                         "only the rest (default: on)")
     kv.add_argument("--stream-idle-timeout", type=float, default=_default(s, "stream_idle_timeout_s"),
                     metavar="SECONDS", help="a prefill fails a handed-off stream that gets no token from its decode "
                                             "for this long (default %(default)s)")
@@ -150,6 +154,7 @@ def build_configs(args: argparse.Namespace, env: Mapping[str, str] | None = None
         kv_transport=Transport(args.kv_transport),
         kv_connections=args.kv_connections,
         stream_idle_timeout_s=args.stream_idle_timeout,
+        kv_prefix_reuse=args.kv_prefix_reuse,
         cluster_key=None if args.role == Role.MIXED.value and not args.cluster_key_file else cluster_key(args),
         insecure=args.insecure,
         allow_anonymous_peers=args.allow_anonymous_peers,

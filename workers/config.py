@@ -78,6 +78,7 @@ class ServerConfig:
     vllm_metric_aliases: bool = False
     # PDConfig.stream_idle_timeout_s, the one PD bound a user may want to set.
     stream_idle_timeout_s: float = PDConfig.stream_idle_timeout_s
+    kv_prefix_reuse: bool = PDConfig.prefix_reuse  # PDConfig.prefix_reuse
 
     def __post_init__(self) -> None:
         for name in ("http_port", "grpc_port", "transfer_port", "admin_port"):

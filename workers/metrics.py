@@ -105,6 +105,18 @@ class WorkerMetrics:
         self.kv_cache_usage = Gauge("disagg_kv_cache_usage_ratio", "Fraction of KV cache blocks in use (0 to 1).",
                                     registry=r)
         self.links = Gauge("disagg_links", "Prefill/decode links this worker holds.", registry=r)
+        self.kv_transfer_skipped_blocks = Counter(
+            "disagg_kv_transfer_skipped_blocks",
+            "Prompt KV blocks not transferred because the decode's prefix cache already held them.", registry=r)
+        # vLLM's prefix_cache_queries / prefix_cache_hits: the hit rate is hits / queries.
+        self.prefix_cache_queries = Counter(
+            "disagg_prefix_cache_queries",
+            "Prompt tokens looked up in this worker's prefix cache (a prefill's prompts; a decode's reservations).",
+            ["role"], registry=r)
+        self.prefix_cache_hits = Counter(
+            "disagg_prefix_cache_hits", "Prompt tokens found in this worker's prefix cache.", ["role"], registry=r)
+        for family in (self.prefix_cache_queries, self.prefix_cache_hits):
+            family.labels(role=role)  # shown as 0 from the start, so rate() works at once
         self.peers_unhealthy = Gauge(
             "disagg_peers_unhealthy",
             "Linked peers that stopped answering health checks (hung): no request goes there until they answer.",
@@ -176,6 +188,10 @@ class WorkerMetrics:
             "vllm:prompt_tokens": self.prompt_tokens,
             "vllm:generation_tokens": self.generation_tokens,
         }, model_name))
+
+    def observe_prefix_lookup(self, prompt_tokens: int, hit_tokens: int) -> None:
+        self.prefix_cache_queries.labels(role=self.role).inc(prompt_tokens)
+        self.prefix_cache_hits.labels(role=self.role).inc(hit_tokens)
 
     def set_links(self, n: int) -> None:
         self.links.set(n)

@@ -235,6 +235,11 @@ class AsyncEngine(Generic[E]):
         return self.engine.kv_cache.tensor
 
     @property
+    def block_size(self) -> int:
+        """Tokens per KV block (a fixed setting)."""
+        return self.engine.config.block_size
+
+    @property
     def block_bytes(self) -> int:
         """Bytes of one KV block across all layers (what a transfer moves per block)."""
         return self.engine.kv_cache.spec.block_bytes

@@ -134,20 +134,31 @@ class LLMEngine:
         self._check_unused(request_id)
         self.scheduler.add(request)
 
-    def reserve_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
+    def reserve_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                        reuse_prefix: bool = False) -> list[int]:
         """Allocate the blocks of a prompt whose KV is computed elsewhere; their ids, in prompt order.
 
-        Raises PromptTooLarge when it can never fit, OutOfBlocks when it does not fit now."""
+        With `reuse_prefix` the leading blocks this engine's prefix cache already holds are
+        shared rather than allocated: only the rest need the KV (`reserved_prefix_blocks` says
+        how many are shared). Raises PromptTooLarge when it can never fit, OutOfBlocks when it
+        does not fit now."""
         if len(prompt_token_ids) >= self.max_model_len:
             raise PromptTooLarge(f"{len(prompt_token_ids)} prompt tokens; the context holds {self.max_model_len}")
         request = self.new_request(request_id, prompt_token_ids, params)
         self._check_unused(request_id)
         if request.num_blocks > self.block_manager.num_blocks:
             raise PromptTooLarge(f"the prompt needs {request.num_blocks} blocks of {self.block_manager.num_blocks}")
-        if not self.scheduler.can_reserve(request):
-            raise OutOfBlocks(f"{request.num_blocks} blocks needed, {self.block_manager.num_free_blocks} free")
-        self.scheduler.reserve(request)
+        cached = self.block_manager.match_prefix(request) if reuse_prefix else []
+        if not self.scheduler.can_reserve(request, cached):
+            raise OutOfBlocks(f"{request.num_blocks - len(cached)} blocks needed, "
+                              f"{self.block_manager.num_free_blocks} free")
+        self.scheduler.reserve(request, cached)
         return list(request.block_table)
+
+    def reserved_prefix_blocks(self, request_id: str) -> int:
+        """How many leading blocks of a reserved request came from the prefix cache."""
+        request = self._live(request_id, RequestStatus.RESERVED)
+        return request.num_computed_tokens // self.config.block_size
 
     def admit_request(self, request_id: str, token_id: int) -> None:
         """A reserved request's prompt KV is in its blocks: decode on after `token_id`,

@@ -21,6 +21,7 @@ running one may be HELD (`hold`: out of the batch, blocks kept until
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from disagg.workers.engine.block_manager import BlockManager
@@ -80,15 +81,21 @@ class Scheduler:
         self._register(request)
         self.waiting.append(request)
 
-    def can_reserve(self, request: Request) -> bool:
-        return self.block_manager.can_allocate(request, [], request.num_tokens)
+    def can_reserve(self, request: Request, cached_blocks: Sequence[int] = ()) -> bool:
+        return self.block_manager.can_allocate(request, list(cached_blocks), self._uncached(request, cached_blocks))
 
-    def reserve(self, request: Request) -> None:
-        """Allocate every block of a new request's tokens without scheduling it."""
+    def reserve(self, request: Request, cached_blocks: Sequence[int] = ()) -> None:
+        """Allocate the blocks of a new request's tokens without scheduling it: the shared
+        `cached_blocks` (from `BlockManager.match_prefix`) first, then fresh ones.
+
+        NOTE: only the fresh blocks may be written by a transfer; a shared prefix-cache block
+        must never be (the caller grants writes on `request.block_table[len(cached_blocks):]`)."""
         self._register(request)
-        # NOTE: fresh blocks only: a shared prefix-cache block must never be overwritten by a transfer.
-        self.block_manager.allocate(request, [], request.num_tokens)
+        self.block_manager.allocate(request, list(cached_blocks), self._uncached(request, cached_blocks))
         request.status = RequestStatus.RESERVED
+
+    def _uncached(self, request: Request, cached_blocks: Sequence[int]) -> int:
+        return request.num_tokens - len(cached_blocks) * self.block_manager.block_size
 
     def admit_running(self, request: Request) -> None:
         """A reserved request whose prompt KV is in its blocks joins the batch."""

@@ -79,6 +79,10 @@ class _Coalescer:
         self._queue = []
 
 
+# What a peer that did not answer gives: it is not there, or not responding.
+_SILENT = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
+
+
 class PeerClients:
     """Every call carries a credential of `key` (None: none, --insecure), over TLS with `tls` (None: plaintext)."""
 
@@ -101,14 +105,20 @@ class PeerClients:
     async def add_new_requests(self, decode: str, prefill_name: str, reqs: list[NewRequest]) -> list[Reservation]:
         stub = disagg_pd_pb2_grpc.DisaggPDServiceStub(self._channel(decode))
         msg = pb.DisaggRequests(prefill_name=prefill_name, reqs=[convert.request_to_proto(r) for r in reqs])
+        metadata = convert.sampling_extras_metadata(reqs) + convert.PREFIX_REUSE_METADATA
         try:
-            answer = await stub.AddNewRequests(msg, timeout=self._config.rpc_timeout_s,
-                                               metadata=convert.sampling_extras_metadata(reqs))
+            call = stub.AddNewRequests(msg, timeout=self._config.rpc_timeout_s, metadata=metadata)
+            answer = await call
+            trailing = await call.trailing_metadata()
         except grpc.aio.AioRpcError as exc:
             raise rpc_error(decode, exc) from exc
         if len(answer.resps) != len(reqs):
             raise PeerUnavailable(f"{decode} answered {len(answer.resps)} of {len(reqs)} requests")
-        return [convert.reservation_from_proto(r) for r in answer.resps]
+        try:
+            return convert.with_cached_blocks([convert.reservation_from_proto(r) for r in answer.resps],
+                                              trailing or ())
+        except ValueError as exc:
+            raise PeerUnavailable(f"{decode} answered AddNewRequests wrongly: {exc}") from exc
 
     async def first_generation(self, decode: str, first: FirstToken) -> None:
         stub = disagg_pd_pb2_grpc.DisaggPDServiceStub(self._channel(decode))
@@ -135,13 +145,15 @@ class PeerClients:
             if exc.code() != grpc.StatusCode.INVALID_ARGUMENT:
                 raise rpc_error(decode, exc) from exc
 
-    async def serving(self, address: str, timeout_s: float) -> bool:
-        """Whether the worker at `address` answers its gRPC health check SERVING within `timeout_s`."""
+    async def answers(self, address: str, timeout_s: float) -> bool:
+        """Whether the worker at `address` answers a gRPC health check within `timeout_s`. Any answer
+        but a missed deadline or a lost connection counts: a peer without the health service
+        (an xLLM decode says UNIMPLEMENTED) is alive too."""
         stub = health_pb2_grpc.HealthStub(self._channel(address))
         try:
             answer = await stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
-        except grpc.aio.AioRpcError:
-            return False
+        except grpc.aio.AioRpcError as exc:
+            return exc.code() not in _SILENT
         return bool(answer.status == health_pb2.HealthCheckResponse.SERVING)
 
     async def generations(self, prefill: str, outputs: list[RequestOutput]) -> list[bool]:

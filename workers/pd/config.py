@@ -25,11 +25,13 @@ class PDConfig:
     # A handed-off stream that gets no token for this long fails (its decode dropped it unseen).
     stream_idle_timeout_s: float = 30.0
     max_message_bytes: int = 16 << 20  # a larger gRPC message is refused with RESOURCE_EXHAUSTED
+    # A decode shares the prompt blocks its prefix cache holds, when its prefill can skip them.
+    prefix_reuse: bool = True
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if value <= 0:
+            if not isinstance(value, bool) and value <= 0:
                 raise ValueError(f"PDConfig.{f.name} must be positive, got {value}")
         if self.backoff_initial_s > self.backoff_max_s:
             raise ValueError("PDConfig.backoff_initial_s must not exceed backoff_max_s")

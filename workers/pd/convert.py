@@ -199,3 +199,44 @@ def output_from_proto(gen: pb.DisaggStreamGeneration) -> RequestOutput:
         finish_reason=finish_reason if gen.finished else None, num_prompt_tokens=gen.usage.num_prompt_tokens,
         num_output_tokens=gen.usage.num_generated_tokens, new_logprobs=logprobs or None,
     )
+
+
+# Decode-side prefix reuse (docs/pd-wire.md). Our prefill says on AddNewRequests that it
+# can skip the blocks a decode already holds; only then may our decode share its cached
+# prefix blocks, and it names their count per request in the answer's trailing metadata.
+# An xLLM prefill sends no such flag and gets fresh blocks for the whole prompt, as before;
+# an xLLM decode sends no counts and gets the whole prompt's KV, as before.
+PREFIX_REUSE_KEY = "x-disagg-prefix-reuse"
+CACHED_BLOCKS_KEY = "x-disagg-cached-blocks"
+PREFIX_REUSE_METADATA = ((PREFIX_REUSE_KEY, "1"),)
+
+
+def wants_prefix_reuse(metadata: Iterable[tuple[str, str | bytes]]) -> bool:
+    return any(key == PREFIX_REUSE_KEY and value == "1" for key, value in metadata)
+
+
+def cached_blocks_metadata(reservations: Sequence[Reservation]) -> tuple[tuple[str, str], ...]:
+    counts = {r.req_id: r.num_cached_blocks for r in reservations if r.num_cached_blocks}
+    return ((CACHED_BLOCKS_KEY, json.dumps(counts)),) if counts else ()
+
+
+def with_cached_blocks(reservations: list[Reservation],
+                       metadata: Iterable[tuple[str, str | bytes]]) -> list[Reservation]:
+    """`reservations` with the counts of `cached_blocks_metadata`; ValueError for a malformed or impossible one."""
+    raw = next((value for key, value in metadata if key == CACHED_BLOCKS_KEY), None)
+    if raw is None:
+        return reservations
+    try:
+        counts = json.loads(raw)
+    except ValueError as exc:
+        raise ValueError(f"{CACHED_BLOCKS_KEY} is not JSON: {exc}") from None
+    if not isinstance(counts, dict):
+        raise ValueError(f"{CACHED_BLOCKS_KEY} must map request ids to block counts")
+    out = []
+    for r in reservations:
+        count = counts.get(r.req_id, 0)
+        if type(count) is not int or not 0 <= count < max(len(r.block_ids), 1):
+            raise ValueError(f"{CACHED_BLOCKS_KEY} of {r.req_id}: {count!r} is not a count below its "
+                             f"{len(r.block_ids)} blocks")
+        out.append(dataclasses.replace(r, num_cached_blocks=count))
+    return out

@@ -49,6 +49,7 @@ class _Incoming:
     req: NewRequest
     prefill: str
     block_ids: list[int]
+    num_cached: int = 0  # leading blocks shared from our prefix cache: no KV comes for them
     reserved_at: float = field(default_factory=time.monotonic)
     started: bool = False  # FirstGeneration arrived: no longer a bare reservation
     task: asyncio.Task[None] | None = None  # streams its outputs, once admitted
@@ -133,10 +134,12 @@ class DecodeRole(EngineHealth["AsyncEngine[LLMEngine]"]):
 
     # --- the PD service ---------------------------------------------------------
 
-    async def add_requests(self, prefill_name: str, reqs: list[NewRequest]) -> list[Reservation]:
-        return [await self._reserve(prefill_name, r) for r in reqs]
+    async def add_requests(self, prefill_name: str, reqs: list[NewRequest], reuse_prefix: bool = False
+                           ) -> list[Reservation]:
+        reuse = reuse_prefix and self._config.prefix_reuse
+        return [await self._reserve(prefill_name, r, reuse) for r in reqs]
 
-    async def _reserve(self, prefill: str, req: NewRequest) -> Reservation:
+    async def _reserve(self, prefill: str, req: NewRequest, reuse_prefix: bool) -> Reservation:
         if not self.peers.is_live(prefill):
             log.warning("request %s from %s, which is not linked here", req.req_id, prefill)
             return Reservation(req.req_id, Admission.REFUSED, [])
@@ -145,8 +148,12 @@ class DecodeRole(EngineHealth["AsyncEngine[LLMEngine]"]):
         if self._draining:
             # 404, as when out of blocks: the prefill tries another decode.
             return Reservation(req.req_id, Admission.NO_BLOCKS, [])
+        def reserve(e: LLMEngine) -> tuple[list[int], int]:
+            blocks = e.reserve_request(req.req_id, req.prompt_token_ids, req.params, reuse_prefix)
+            return blocks, e.reserved_prefix_blocks(req.req_id)
+
         try:
-            blocks = await self._engine.call(lambda e: e.reserve_request(req.req_id, req.prompt_token_ids, req.params))
+            blocks, num_cached = await self._engine.call(reserve)
         except PromptTooLarge:
             return Reservation(req.req_id, Admission.TOO_LARGE, [])
         except OutOfBlocks:
@@ -154,9 +161,11 @@ class DecodeRole(EngineHealth["AsyncEngine[LLMEngine]"]):
         except ValueError as exc:
             log.warning("request %s refused: %s", req.req_id, exc)
             return Reservation(req.req_id, Admission.REFUSED, [])
-        self._incoming[req.req_id] = _Incoming(req, prefill, blocks)
-        self._transport.access.allow(prefill, req.req_id, blocks, Access.WRITE)  # its pushes, until FirstGeneration
-        return Reservation(req.req_id, Admission.OK, blocks)
+        self._metrics.observe_prefix_lookup(len(req.prompt_token_ids), num_cached * self._engine.block_size)
+        self._incoming[req.req_id] = _Incoming(req, prefill, blocks, num_cached)
+        # Its pushes, until FirstGeneration: into the fresh blocks only, never the shared cached ones.
+        self._transport.access.allow(prefill, req.req_id, blocks[num_cached:], Access.WRITE)
+        return Reservation(req.req_id, Admission.OK, blocks, num_cached)
 
     async def first_generation(self, first: FirstToken) -> None:
         """Take in the KV (PULL) and start generating; on any failure the request is freed."""
@@ -172,8 +181,9 @@ class DecodeRole(EngineHealth["AsyncEngine[LLMEngine]"]):
             if first.mode is TransferMode.PULL:
                 await self._pull(inc, first)
             else:
-                nbytes = len(inc.block_ids) * self._engine.block_bytes
+                nbytes = (len(inc.block_ids) - inc.num_cached) * self._engine.block_bytes
                 self._metrics.observe_kv_transfer("received", inc.prefill, nbytes)  # the prefill times it
+            self._metrics.kv_transfer_skipped_blocks.inc(inc.num_cached)
             inc.task = asyncio.create_task(self._stream(inc, first), name=f"decode-{first.req_id}")
         except PDError as exc:
             await self._drop(first.req_id, str(exc))
@@ -194,8 +204,9 @@ class DecodeRole(EngineHealth["AsyncEngine[LLMEngine]"]):
             raise InvalidMessage(f"request {inc.req.req_id}: {len(first.prefill_block_ids)} prefill blocks for "
                                  f"{len(inc.block_ids)} reserved blocks")
         started = time.monotonic()
+        skip = inc.num_cached  # held here already: pulled by no one
         try:
-            handle = session.pull(first.prefill_block_ids, inc.block_ids)
+            handle = session.pull(list(first.prefill_block_ids[skip:]), inc.block_ids[skip:])
         except ValueError as exc:
             raise InvalidMessage(f"request {inc.req.req_id}: {exc}") from exc
         try:

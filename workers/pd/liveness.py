@@ -61,7 +61,7 @@ class LivenessWatch:
 
     async def _answers(self, name: str) -> bool:
         address = self._address_of(name)
-        return address is not None and await self._clients.serving(address, self._config.health_timeout_s)
+        return address is not None and await self._clients.answers(address, self._config.health_timeout_s)
 
     def _record(self, name: str, ok: bool) -> None:
         self._misses[name] = 0 if ok else self._misses.get(name, 0) + 1

@@ -38,7 +38,9 @@ class Reservation:
 
     req_id: str
     status: Admission
-    block_ids: list[int]
+    block_ids: list[int]  # every block of the prompt, in order
+    # The leading blocks the decode already holds (its prefix cache): their KV is not sent.
+    num_cached_blocks: int = 0
 
 
 @dataclass(frozen=True)

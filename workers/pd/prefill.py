@@ -171,8 +171,10 @@ class PrefillRole(EngineHealth["AsyncEngine[LLMEngine]"]):
             first = await self._prefill(call, call.route)
             await self._clients.first_generation(call.route.address, first)
             call.started_on_decode = True
+            skipped = call.route.num_cached_blocks
+            self._metrics.kv_transfer_skipped_blocks.inc(skipped)
             if self._mode is TransferMode.PULL:
-                nbytes = len(call.route.block_ids) * self._engine.block_bytes
+                nbytes = (len(call.route.block_ids) - skipped) * self._engine.block_bytes
                 self._metrics.observe_kv_transfer("sent", call.route.decode, nbytes)  # the decode times it
         except asyncio.CancelledError:
             await asyncio.shield(self._cleanup(call))
@@ -194,7 +196,7 @@ class PrefillRole(EngineHealth["AsyncEngine[LLMEngine]"]):
             session = self.router.session(route.decode)
             if session is None:
                 raise DecodeFailed(f"the data path to decode {route.decode} is closed")
-            self.pusher.add(call.req_id, route.decode, session, route.block_ids)
+            self.pusher.add(call.req_id, route.decode, session, route.block_ids, route.num_cached_blocks)
         hand_off: RequestOutput | None = None
         async for out in self._engine.generate(call.req_id, call.prompt, call.params, hold_after_first_token=True):
             hand_off = out
@@ -202,6 +204,7 @@ class PrefillRole(EngineHealth["AsyncEngine[LLMEngine]"]):
         if not hand_off.handed_off:
             raise RequestRefused(f"the prefill engine ended request {call.req_id} ({hand_off.finish_reason})")
         call.held = True
+        self._metrics.observe_prefix_lookup(len(call.prompt), hand_off.num_cached_tokens)
         self.relay.first_token(call.stream, hand_off)
         ttft = time.monotonic() - call.arrival
         token_id = hand_off.new_token_ids[0]

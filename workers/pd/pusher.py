@@ -30,6 +30,7 @@ class _Target:
     decode: str
     session: TransferSession
     dst_blocks: list[int]
+    skip: int  # leading blocks the decode already holds
     started: float = field(default_factory=time.monotonic)
     handles: list[TransferHandle] = field(default_factory=list)
     error: str | None = None
@@ -41,9 +42,10 @@ class KVPusher:
         self._timeout_s = transfer_timeout_s
         self._targets: dict[str, _Target] = {}  # read by the engine thread
 
-    def add(self, req_id: str, decode: str, session: TransferSession, dst_blocks: list[int]) -> None:
-        """Push the prompt KV of `req_id` into `dst_blocks` of that decode as its forward runs."""
-        self._targets[req_id] = _Target(decode, session, dst_blocks)
+    def add(self, req_id: str, decode: str, session: TransferSession, dst_blocks: list[int], skip: int = 0) -> None:
+        """Push the prompt KV of `req_id` into `dst_blocks` of that decode as its forward runs,
+        but for the first `skip` blocks, which the decode already holds."""
+        self._targets[req_id] = _Target(decode, session, dst_blocks, skip)
 
     async def wait(self, req_id: str) -> None:
         """After the hand-off: wait until every pushed byte is stored and checked.
@@ -85,15 +87,15 @@ class KVPusher:
             target = self._targets.get(request.request_id)
             if target is not None and samples:
                 assert len(request.block_table) == len(target.dst_blocks), "prompt blocks on both sides"
-                pushes.append((target, list(request.block_table)))
+                pushes.append((target, request.block_table[target.skip:], target.dst_blocks[target.skip:]))
         if not pushes:
             return None
 
         def on_layer(layer: int) -> None:
-            for target, src in pushes:
+            for target, src, dst in pushes:
                 if target.error is None:
                     try:
-                        target.handles.append(target.session.push(layer, src, target.dst_blocks))
+                        target.handles.append(target.session.push(layer, src, dst))
                     except (TransferError, ValueError) as exc:  # fail this request, not the step
                         target.error = str(exc)
 

@@ -35,6 +35,7 @@ class Route:
     decode: str  # the decode's instance name
     address: str  # its gRPC address
     block_ids: list[int]  # the reserved blocks, in prompt order
+    num_cached_blocks: int = 0  # the leading ones the decode already holds: their KV is not sent
 
 
 class DecodeRouter:
@@ -92,7 +93,7 @@ class DecodeRouter:
                     if len(answer.block_ids) != num_blocks:
                         raise DecodeFailed(f"decode {name} reserved {len(answer.block_ids)} blocks, not {num_blocks}")
                     self._load[name] = self._load.get(name, 0) + 1
-                    return Route(name, address, answer.block_ids)
+                    return Route(name, address, answer.block_ids, answer.num_cached_blocks)
                 if answer.status is Admission.TOO_LARGE:
                     raise PromptNeverFits(f"the prompt of {len(request.prompt_token_ids)} tokens can never fit "
                                           f"the KV cache of decode {name}")

@@ -58,8 +58,10 @@ HTTP_STATUS: dict[grpc.StatusCode, int] = {
 class Intake(Protocol):
     """A decode's handlers of a prefill's requests."""
 
-    async def add_requests(self, prefill_name: str, reqs: list[NewRequest]) -> list[Reservation]:
-        """Reserve blocks for each request; one answer per request, in order."""
+    async def add_requests(self, prefill_name: str, reqs: list[NewRequest], reuse_prefix: bool = False
+                           ) -> list[Reservation]:
+        """Reserve blocks for each request; one answer per request, in order. `reuse_prefix`:
+        the prefill skips blocks already held here, so cached prefix blocks may be shared."""
         ...
 
     async def first_generation(self, first: FirstToken) -> None:
@@ -128,12 +130,15 @@ class DisaggPDServicer(disagg_pd_pb2_grpc.DisaggPDServiceServicer):
                 answers[i] = Reservation(msg.req_id, Admission.REFUSED, [])
         if not request.prefill_name:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prefill_name is empty")
+        metadata = context.invocation_metadata() or ()
         try:
-            reqs = convert.with_sampling_extras(reqs, context.invocation_metadata() or ())
+            reqs = convert.with_sampling_extras(reqs, metadata)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        reserved = iter(await _answer(context, lambda: intake.add_requests(request.prefill_name, reqs)))
+        reuse = convert.wants_prefix_reuse(metadata)
+        reserved = iter(await _answer(context, lambda: intake.add_requests(request.prefill_name, reqs, reuse)))
         ordered = [answers[i] if i in answers else next(reserved) for i in range(len(request.reqs))]
+        context.set_trailing_metadata(convert.cached_blocks_metadata(ordered))
         return pb.DisaggResponses(resps=[convert.reservation_to_proto(r) for r in ordered])
 
     async def FirstGeneration(self, request: pb.DisaggGenerationsRequests,

@@ -111,7 +111,8 @@ def build_decode(engine_config: EngineConfig, server_config: ServerConfig,
 def _load(engine_config: EngineConfig, server_config: ServerConfig, metrics: WorkerMetrics,
           config: PDConfig | None) -> _Parts:
     """Load the model (not started yet) and start the transfer listener."""
-    config = config or PDConfig(stream_idle_timeout_s=server_config.stream_idle_timeout_s)
+    config = config or PDConfig(stream_idle_timeout_s=server_config.stream_idle_timeout_s,
+                                prefix_reuse=server_config.kv_prefix_reuse)
     loaded = load_engine(engine_config, server_config.served_model_name)
     pool = loaded.engine.kv_pool
     # The model identity in the layout: two workers link only if they serve the same source.
