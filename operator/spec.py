@@ -24,9 +24,11 @@ from disagg.proto.vocabulary import (
     HTTP_PORT,
     MAX_KV_CONNECTIONS,
     MAX_PORT,
+    PD_POLICIES,
     POD_ROLES,
     TRANSFER_MODES,
     TRANSPORTS,
+    PDPolicy,
     TransferMode,
     Transport,
 )
@@ -78,6 +80,16 @@ FIELDS: tuple[Field, ...] = (
           choices=TRANSFER_MODES, flag="--kv-transfer-mode"),
     Field("kvTransfer", "transport", "transport", str, Transport.TCP.value, "The KV data path.",
           choices=TRANSPORTS, flag="--kv-transport"),
+    Field("kvTransfer", "policy", "policy", str, PDPolicy.ALWAYS.value,
+          "always: every request is handed to a decode; auto: a prefill serves a request itself when the "
+          "hand-off costs more than it saves (short uncached prompts, decodes full).",
+          choices=PD_POLICIES, flag="--pd-policy"),
+    Field("kvTransfer", "localMaxPromptTokens", "local_max_tokens", int, None,
+          "auto: uncached prompt tokens a prefill always serves itself (default: the worker's).",
+          bounds=(0, 1 << 20), flag="--pd-local-max-tokens"),
+    Field("kvTransfer", "localMaxRunning", "local_max_running", int, None,
+          "auto: requests a prefill serves itself at once (default: the worker's).",
+          bounds=(1, 4096), flag="--pd-local-max-running"),
     Field("kvTransfer", "connections", "connections", int, None,
           "TCP connections a decode opens per link (default: one per two CPUs of the pod, 1 to 4).",
           bounds=(1, MAX_KV_CONNECTIONS), flag="--kv-connections"),
@@ -137,6 +149,9 @@ class RoleSpec:
 @dataclass(frozen=True)
 class KvTransferSpec:
     mode: str
+    policy: str
+    local_max_tokens: int | None
+    local_max_running: int | None
     transport: str
     connections: int | None  # TCP connections per link; None: the worker's default for its CPUs
 

@@ -41,6 +41,13 @@ class Transport(str, enum.Enum):
     NCCL = "nccl"
 
 
+class PDPolicy(str, enum.Enum):
+    """Whether a prefill hands every request off: `--pd-policy`, `spec.kvTransfer.policy` (workers/pd/decision.py)."""
+
+    ALWAYS = "always"  # every request goes to a decode
+    AUTO = "auto"  # per request, by measured costs: some are served on the prefill itself
+
+
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # "auto": float32 on a CPU, bfloat16 on CUDA
 
@@ -62,6 +69,7 @@ def _choices(enum_type: type[enum.Enum]) -> tuple[str, ...]:
 
 TRANSFER_MODES = _choices(TransferMode)
 TRANSPORTS = _choices(Transport)
+PD_POLICIES = _choices(PDPolicy)
 
 
 # --- InstanceClusterInfo ----------------------------------------------------------

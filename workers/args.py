@@ -11,7 +11,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from disagg.proto.vocabulary import API_KEY_ENV, DEVICES, DTYPES, TRANSFER_MODES, TRANSPORTS
+from disagg.proto.vocabulary import API_KEY_ENV, DEVICES, DTYPES, PD_POLICIES, TRANSFER_MODES, TRANSPORTS, PDPolicy
 from disagg.workers.config import Role, ServerConfig, TransferMode, Transport
 from disagg.workers.engine.config import EngineConfig
 from disagg.workers.security.key import KEY_ENV, KEY_FILE_ENV, ClusterKey, default_key_file, key_from_environment
@@ -59,6 +59,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                     default=_default(s, "kv_transport").value, help="default %(default)s")
     kv.add_argument("--kv-connections", type=int, default=_default(s, "kv_connections"),
                     help="TCP connections a decode opens per link (default: one per two usable CPUs, 1 to 4)")
+    kv.add_argument("--pd-policy", choices=PD_POLICIES, default=_default(s, "pd_policy").value,
+                    help="always: a prefill hands every request to a decode; auto: it serves a request itself when "
+                         "the hand-off costs more than it saves (default %(default)s)")
+    kv.add_argument("--pd-local-max-tokens", type=int, default=_default(s, "pd_local_max_tokens"),
+                    help="auto: uncached prompt tokens a prefill always serves itself (default %(default)s)")
+    kv.add_argument("--pd-local-max-running", type=int, default=_default(s, "pd_local_max_running"),
+                    help="auto: requests a prefill serves itself at once (default %(default)s)")
     kv.add_argument("--kv-prefix-reuse", action=argparse.BooleanOptionalAction,
                     default=_default(s, "kv_prefix_reuse"),
                     help="a decode shares the prompt blocks its prefix cache already holds, and the prefill sends "
@@ -155,6 +162,9 @@ def build_configs(args: argparse.Namespace, env: Mapping[str, str] | None = None
         kv_connections=args.kv_connections,
         stream_idle_timeout_s=args.stream_idle_timeout,
         kv_prefix_reuse=args.kv_prefix_reuse,
+        pd_policy=PDPolicy(args.pd_policy),
+        pd_local_max_tokens=args.pd_local_max_tokens,
+        pd_local_max_running=args.pd_local_max_running,
         cluster_key=None if args.role == Role.MIXED.value and not args.cluster_key_file else cluster_key(args),
         insecure=args.insecure,
         allow_anonymous_peers=args.allow_anonymous_peers,

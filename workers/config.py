@@ -20,12 +20,14 @@ from disagg.proto.vocabulary import (
     MAX_KV_CONNECTIONS,
     MAX_PORT,
     TRANSFER_PORT,
+    PDPolicy,
     Role,
     TransferMode,
     Transport,
 )
 
 from disagg.workers.pd.config import PDConfig
+from disagg.workers.pd.decision import DecisionPolicy
 from disagg.workers.security.key import ClusterKey
 from disagg.workers.security.tls import TlsFiles
 
@@ -79,6 +81,10 @@ class ServerConfig:
     # PDConfig.stream_idle_timeout_s, the one PD bound a user may want to set.
     stream_idle_timeout_s: float = PDConfig.stream_idle_timeout_s
     kv_prefix_reuse: bool = PDConfig.prefix_reuse  # PDConfig.prefix_reuse
+    # A prefill's hand-off policy (workers/pd/decision.py).
+    pd_policy: PDPolicy = DecisionPolicy.mode
+    pd_local_max_tokens: int = DecisionPolicy.local_max_tokens
+    pd_local_max_running: int = DecisionPolicy.local_max_running
 
     def __post_init__(self) -> None:
         for name in ("http_port", "grpc_port", "transfer_port", "admin_port"):
@@ -106,6 +112,7 @@ class ServerConfig:
             )
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be blank")
+        DecisionPolicy(self.pd_policy, self.pd_local_max_tokens, self.pd_local_max_running)  # raises if out of range
         if self.stream_idle_timeout_s <= 0:
             raise ValueError(f"stream_idle_timeout_s must be positive, got {self.stream_idle_timeout_s}")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:

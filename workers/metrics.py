@@ -105,6 +105,10 @@ class WorkerMetrics:
         self.kv_cache_usage = Gauge("disagg_kv_cache_usage_ratio", "Fraction of KV cache blocks in use (0 to 1).",
                                     registry=r)
         self.links = Gauge("disagg_links", "Prefill/decode links this worker holds.", registry=r)
+        self.pd_decisions = Counter(
+            "disagg_pd_decision",
+            "A prefill's choice per request: hand off to a decode, or serve it locally (workers/pd/decision.py).",
+            ["decision", "reason"], registry=r)
         self.kv_transfer_skipped_blocks = Counter(
             "disagg_kv_transfer_skipped_blocks",
             "Prompt KV blocks not transferred because the decode's prefix cache already held them.", registry=r)

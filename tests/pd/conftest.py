@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from disagg.proto import disagg_pd_pb2_grpc
-from disagg.proto.vocabulary import InstanceInfo
+from disagg.proto.vocabulary import InstanceInfo, PDPolicy
 from disagg.workers.config import Role, ServerConfig, TransferMode
 from disagg.workers.engine.config import EngineConfig
 from disagg.workers.engine.llm_engine import LLMEngine
@@ -48,10 +48,11 @@ def engine_config(model: Path, **overrides: Any) -> EngineConfig:
     return EngineConfig(**settings)
 
 
-def server_config(role: Role, mode: str = "PUSH", connections: int | None = None) -> ServerConfig:
+def server_config(role: Role, mode: str = "PUSH", connections: int | None = None,
+                  policy: PDPolicy = PDPolicy.ALWAYS) -> ServerConfig:
     return ServerConfig(role=role, host="127.0.0.1", http_port=free_port(), grpc_port=free_port(),
                         transfer_port=free_port(), kv_transfer_mode=TransferMode(mode),
-                        kv_connections=connections, cluster_key=CLUSTER_KEY)
+                        kv_connections=connections, cluster_key=CLUSTER_KEY, pd_policy=policy)
 
 
 @dataclass
@@ -69,8 +70,9 @@ class Pair:
 
 
 async def start_worker(model: Path, role: Role, mode: str = "PUSH", pd: PDConfig | None = None,
-                       connections: int | None = None, **engine: Any) -> tuple[PDWorker, ServerConfig]:
-    config = server_config(role, mode, connections)
+                       connections: int | None = None, policy: PDPolicy = PDPolicy.ALWAYS,
+                       **engine: Any) -> tuple[PDWorker, ServerConfig]:
+    config = server_config(role, mode, connections, policy)
     build = build_prefill if role is Role.PREFILL else build_decode
     worker = build(engine_config(model, **engine), config, WorkerMetrics(role.value), pd)
     await worker.start()
@@ -86,8 +88,9 @@ async def stop_worker(worker: PDWorker) -> None:
 def pd_pair(tiny_model_dir: Path) -> Callable[..., contextlib.AbstractAsyncContextManager[Pair]]:
     @contextlib.asynccontextmanager
     async def make(mode: str = "PUSH", link: bool = True, pd: PDConfig | None = None,
-                   connections: int | None = None, **engine: Any) -> AsyncIterator[Pair]:
-        prefill, pc = await start_worker(tiny_model_dir, Role.PREFILL, mode, pd, connections, **engine)
+                   connections: int | None = None, policy: PDPolicy = PDPolicy.ALWAYS,
+                   **engine: Any) -> AsyncIterator[Pair]:
+        prefill, pc = await start_worker(tiny_model_dir, Role.PREFILL, mode, pd, connections, policy, **engine)
         decode, dc = await start_worker(tiny_model_dir, Role.DECODE, mode, pd, connections, **engine)
         channel = control_channel(dc.instance_name, CLUSTER_KEY)
         pair = Pair(prefill, decode, pc, dc, disagg_pd_pb2_grpc.DisaggPDServiceStub(channel))

@@ -10,6 +10,7 @@ to decodes D1 and D2, and a mixed worker M as the reference.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import signal
 import subprocess
 import sys
@@ -373,3 +374,41 @@ def test_a_stream_its_decode_dropped_unseen_ends_at_the_idle_timeout(cluster: Cl
     finally:
         assert not unlink(decode, victim)
         victim.kill()
+
+
+def test_auto_policy_serves_short_prompts_on_the_prefill_and_says_so_in_usage(cluster: Cluster,
+                                                                              processes: Any) -> None:
+    [auto] = processes.start(("prefill", "--pd-policy", "auto", "--pd-local-max-tokens", "8"))
+    for d in cluster.decodes:
+        assert link(d, auto) is None
+    processes.wait_until(lambda: _ready(auto) == 200, "the auto prefill is ready")
+
+    def ask(prompt: list[int], stream: bool = False) -> tuple[str, list[int]]:
+        body: dict[str, Any] = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0,
+                                "ignore_eos": True, "return_token_ids": True}
+        if not stream:
+            answer = httpx.post(f"{auto.base_url}/v1/completions", json=body, timeout=60).json()
+            return answer["usage"]["served_by"], answer["choices"][0]["token_ids"]
+        lines = httpx.post(f"{auto.base_url}/v1/completions", timeout=60, json={
+            **body, "stream": True, "stream_options": {"include_usage": True}}).text.splitlines()
+        chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+        tokens = [t for c in chunks for choice in c["choices"] for t in choice.get("token_ids") or ()]
+        return chunks[-1]["usage"]["served_by"], tokens
+
+    try:
+        # Nothing measured yet: a prompt longer than the local threshold is handed off.
+        long = prompt_of(17, salt=5)
+        assert ask(long, stream=True) == ("prefill+decode", complete(cluster.mixed, long, 6))
+        for prompt, stream in ((prompt_of(6), False), (prompt_of(6, salt=5), True)):
+            assert ask(prompt, stream) == ("prefill", complete(cluster.mixed, prompt, 6))
+        # The long prompt again: 16 of its tokens are in the prefill's cache now, 1 is new: short.
+        assert ask(long) == ("prefill", complete(cluster.mixed, long, 6))
+        mixed = httpx.post(f"{cluster.mixed.base_url}/v1/completions", timeout=60,
+                           json={"model": MODEL, "prompt": prompt_of(6), "max_tokens": 2}).json()
+        assert "served_by" not in mixed["usage"], "a mixed worker has nothing to say"
+        assert auto.metric("disagg_pd_decision_total", decision="local", reason="short_prompt") == 3
+        assert auto.metric("disagg_pd_decision_total", decision="handoff", reason="unmeasured") == 1
+    finally:
+        for d in cluster.decodes:
+            assert not unlink(d, auto)
+        auto.kill()

@@ -155,6 +155,10 @@ class LLMEngine:
         self.scheduler.reserve(request, cached)
         return list(request.block_table)
 
+    def num_cached_prompt_tokens(self, request: Request) -> int:
+        """Prompt tokens of `request` (not yet scheduled) that the prefix cache holds now."""
+        return len(self.block_manager.match_prefix(request)) * self.config.block_size
+
     def reserved_prefix_blocks(self, request_id: str) -> int:
         """How many leading blocks of a reserved request came from the prefix cache."""
         request = self._live(request_id, RequestStatus.RESERVED)

@@ -44,3 +44,4 @@ class RequestOutput:
     new_logprobs: list[TokenLogprob] | None = None
     stop_reason: int | str | None = field(default=None)  # the stop token id or string that matched
     handed_off: bool = False
+    served_by: str | None = None  # which workers served it, when not one engine alone (PD: usage.served_by)

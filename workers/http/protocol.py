@@ -13,7 +13,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 
 def random_id(prefix: str) -> str:
@@ -113,6 +113,16 @@ class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # Our extension, on a prefill: "prefill" (it served the request itself) or "prefill+decode"
+    # (handed off). Absent on a mixed worker.
+    served_by: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_absent_extension(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if data.get("served_by") is None:
+            data.pop("served_by", None)
+        return data
 
 
 class CompletionLogprobs(BaseModel):

@@ -55,12 +55,14 @@ class Choice:
     num_output_tokens: int = 0
     first_token_at: float | None = None
     last_token_at: float | None = None
+    served_by: str | None = None
 
     def add(self, out: RequestOutput, at: float) -> None:
         self.text += out.new_text
         self.token_ids += out.new_token_ids
         self.logprobs += out.new_logprobs or []
         self.num_output_tokens = out.num_output_tokens
+        self.served_by = out.served_by or self.served_by
         if out.new_token_ids:
             self.first_token_at = self.first_token_at or at
             self.last_token_at = at
@@ -95,6 +97,7 @@ class Call:
             prompt_tokens=self.num_prompt_tokens,
             completion_tokens=completion,
             total_tokens=self.num_prompt_tokens + completion,
+            served_by=next((c.served_by for c in choices if c.served_by), None),
         )
 
 

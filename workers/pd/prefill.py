@@ -39,12 +39,14 @@ from disagg.workers.engine.tokenizer import Tokenizer
 from disagg.workers.http.backend import EngineHealth, ModelInfo
 from disagg.workers.metrics import WorkerMetrics
 from disagg.workers.pd.clients import PeerClients
+from disagg.proto.vocabulary import PDPolicy
 from disagg.workers.pd.config import PDConfig
+from disagg.workers.pd.decision import CostModel, DecisionPolicy, Path
 from disagg.workers.pd.errors import DecodeFailed, RequestFailed, RequestRefused
 from disagg.workers.pd.liveness import LivenessWatch
 from disagg.workers.pd.messages import FirstToken, NewRequest, TransferMode
 from disagg.workers.pd.pusher import KVPusher
-from disagg.workers.pd.relay import Stream, TokenRelay
+from disagg.workers.pd.relay import SERVED_LOCALLY, Stream, TokenRelay
 from disagg.workers.pd.router import NO_DECODE, DecodeRouter, Route
 from disagg.workers.pd.service import Handlers
 from disagg.workers.transfer import Access, KVTransport, TransferSession
@@ -71,7 +73,8 @@ class PrefillRole(EngineHealth["AsyncEngine[LLMEngine]"]):
 
     def __init__(self, engine: AsyncEngine[LLMEngine], tokenizer: Tokenizer, model: ModelInfo,
                  transport: KVTransport, clients: PeerClients, metrics: WorkerMetrics, config: PDConfig,
-                 instance_name: str, transfer_address: str, mode: TransferMode) -> None:
+                 instance_name: str, transfer_address: str, mode: TransferMode,
+                 policy: DecisionPolicy = DecisionPolicy()) -> None:
         super().__init__(engine, tokenizer, model)
         self._transport = transport
         self._clients = clients
@@ -83,6 +86,8 @@ class PrefillRole(EngineHealth["AsyncEngine[LLMEngine]"]):
         self.relay = TokenRelay(engine)
         self.pusher = KVPusher(metrics, config.transfer_timeout_s)
         self.liveness = LivenessWatch(self.router.peers, self.router.address, clients, self.relay, config)
+        self.costs = CostModel(policy, engine.block_bytes / engine.block_size)
+        self._local = 0  # requests this prefill serves itself (decision.py), now
         self._tasks: set[asyncio.Task[None]] = set()
         if mode is TransferMode.PUSH:
             engine.set_layer_hook(self.pusher.layer_hook)
@@ -165,11 +170,20 @@ class PrefillRole(EngineHealth["AsyncEngine[LLMEngine]"]):
     async def _run(self, call: _Call) -> None:
         error: Exception | None = None
         try:
+            path, reason = await self._choose(call)
+            self._metrics.pd_decisions.labels(decision=path.value, reason=reason).inc()
+            if path is Path.LOCAL:
+                await self._serve_locally(call)
+                return
             request = NewRequest(call.req_id, call.prompt, dataclasses.replace(call.params, stop=()), self._name)
+            began = time.monotonic()
             call.route = await self.router.reserve(request, call.stream.request.num_blocks)
+            reserve_s = time.monotonic() - began
             call.stream.decode = call.route.decode
             first = await self._prefill(call, call.route)
+            began = time.monotonic()
             await self._clients.first_generation(call.route.address, first)
+            self.costs.round_trip_s.observe(reserve_s + time.monotonic() - began)
             call.started_on_decode = True
             skipped = call.route.num_cached_blocks
             self._metrics.kv_transfer_skipped_blocks.inc(skipped)
@@ -189,6 +203,23 @@ class PrefillRole(EngineHealth["AsyncEngine[LLMEngine]"]):
             call.stream.put(error if isinstance(error, RequestFailed)
                             else DecodeFailed(f"request {call.req_id} failed: {error}"))
 
+    async def _choose(self, call: _Call) -> tuple[Path, str]:
+        """Hand off or serve here (decision.py); the prompt's cached part is looked up only when it matters."""
+        if self.costs.policy.mode is PDPolicy.ALWAYS:
+            return self.costs.choose(0, self._local, True)
+        request = call.stream.request
+        cached = await self._engine.call(lambda e: e.num_cached_prompt_tokens(request))
+        return self.costs.choose(len(call.prompt) - cached, self._local, self.router.has_room())
+
+    async def _serve_locally(self, call: _Call) -> None:
+        """The whole request on this prefill's engine, as a mixed worker serves it."""
+        self._local += 1
+        try:
+            async for out in self._engine.generate(call.req_id, call.prompt, call.params):
+                call.stream.put(dataclasses.replace(out, served_by=SERVED_LOCALLY))
+        finally:
+            self._local -= 1
+
     async def _prefill(self, call: _Call, route: Route) -> FirstToken:
         """Run the prompt here (pushing its KV in PUSH mode) and stream the first token."""
         push = self._mode is TransferMode.PUSH
@@ -198,6 +229,7 @@ class PrefillRole(EngineHealth["AsyncEngine[LLMEngine]"]):
                 raise DecodeFailed(f"the data path to decode {route.decode} is closed")
             self.pusher.add(call.req_id, route.decode, session, route.block_ids, route.num_cached_blocks)
         hand_off: RequestOutput | None = None
+        began = time.monotonic()
         async for out in self._engine.generate(call.req_id, call.prompt, call.params, hold_after_first_token=True):
             hand_off = out
         assert hand_off is not None and hand_off.finished, "an engine stream ends with a finished output"
@@ -205,12 +237,14 @@ class PrefillRole(EngineHealth["AsyncEngine[LLMEngine]"]):
             raise RequestRefused(f"the prefill engine ended request {call.req_id} ({hand_off.finish_reason})")
         call.held = True
         self._metrics.observe_prefix_lookup(len(call.prompt), hand_off.num_cached_tokens)
+        self.costs.observe_prefill(len(call.prompt) - hand_off.num_cached_tokens, time.monotonic() - began)
         self.relay.first_token(call.stream, hand_off)
         ttft = time.monotonic() - call.arrival
         token_id = hand_off.new_token_ids[0]
         logprob = hand_off.new_logprobs[0] if hand_off.new_logprobs else None
         if push:
-            await self.pusher.wait(call.req_id)
+            nbytes, seconds = await self.pusher.wait(call.req_id)
+            self.costs.observe_transfer(nbytes, seconds)
             await self._release(call)
             return FirstToken(call.req_id, token_id, logprob, TransferMode.PUSH, ttft)
         blocks = await self._engine.block_ids(call.req_id)

@@ -47,9 +47,9 @@ class KVPusher:
         but for the first `skip` blocks, which the decode already holds."""
         self._targets[req_id] = _Target(decode, session, dst_blocks, skip)
 
-    async def wait(self, req_id: str) -> None:
-        """After the hand-off: wait until every pushed byte is stored and checked.
-        Raises DecodeFailed when a push failed."""
+    async def wait(self, req_id: str) -> tuple[int, float]:
+        """After the hand-off: wait until every pushed byte is stored and checked; the bytes and
+        the seconds since the request was added. Raises DecodeFailed when a push failed."""
         target = self._targets.pop(req_id)
         if target.error is not None:
             raise DecodeFailed(f"pushing the KV of {req_id} failed: {target.error}")
@@ -58,7 +58,9 @@ class KVPusher:
         except TransferError as exc:
             raise DecodeFailed(f"pushing the KV of {req_id} failed: {exc}") from exc
         nbytes = sum(h.nbytes for h in target.handles)
-        self._metrics.observe_kv_transfer("sent", target.decode, nbytes, time.monotonic() - target.started)
+        seconds = time.monotonic() - target.started
+        self._metrics.observe_kv_transfer("sent", target.decode, nbytes, seconds)
+        return nbytes, seconds
 
     def stop(self, req_id: str) -> Callable[[], None] | None:
         """Push no further layer of `req_id`. Returns what waits for the pushes

@@ -10,6 +10,7 @@ This is where re-issuing a stream to another decode will sit.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -39,6 +40,10 @@ class Stream:
 
     def outputs(self) -> AsyncIterator[RequestOutput]:
         return outputs_until_finished(self.queue)
+
+
+SERVED_LOCALLY = "prefill"  # `usage.served_by` of a request a prefill served itself (decision.py)
+SERVED_BY_PAIR = "prefill+decode"  # ... of one handed off
 
 
 class TokenRelay:
@@ -101,6 +106,7 @@ class TokenRelay:
         return not delta.finished
 
     def _forward(self, stream: Stream, out: RequestOutput, finish: FinishReason | None) -> RequestOutput:
-        delta = self._engine.follow(stream.request, out.new_token_ids, out.new_logprobs, finish)
+        delta = dataclasses.replace(self._engine.follow(stream.request, out.new_token_ids, out.new_logprobs, finish),
+                                    served_by=SERVED_BY_PAIR)
         stream.put(delta)
         return delta

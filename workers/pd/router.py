@@ -50,6 +50,7 @@ class DecodeRouter:
         self.peers = PeerTable(metrics, self._lost)
         self._addresses: dict[str, str] = {}  # decode name -> its gRPC address
         self._load: dict[str, int] = {}  # decode name -> requests routed there and not done
+        self._full_until: dict[str, float] = {}  # decode name -> when its last "no free blocks" expires
 
     def add(self, session: TransferSession) -> None:
         """A decode linked to us (its handshake named its gRPC address)."""
@@ -60,6 +61,11 @@ class DecodeRouter:
 
     def has_live(self) -> bool:
         return any(self.peers.is_live(name) for name in self.peers.names())
+
+    def has_room(self) -> bool:
+        """Whether a live decode did not answer "no free blocks" within the last `backoff_max_s`."""
+        now = time.monotonic()
+        return any(self.peers.is_live(n) and self._full_until.get(n, 0.0) <= now for n in self.peers.names())
 
     def address(self, decode: str) -> str | None:
         return self._addresses.get(decode)
@@ -99,6 +105,7 @@ class DecodeRouter:
                                           f"the KV cache of decode {name}")
                 if answer.status is Admission.REFUSED:
                     raise RequestRefused(f"decode {name} refused the request (500)")
+                self._full_until[name] = time.monotonic() + self._config.backoff_max_s
                 reason = f"no decode had free KV blocks within {self._config.reserve_timeout_s:.0f} s"
             if time.monotonic() + delay > deadline:
                 raise NoDecodeAvailable(reason)
@@ -123,4 +130,5 @@ class DecodeRouter:
     async def _lost(self, name: str, reason: str) -> None:
         self._addresses.pop(name, None)
         self._load.pop(name, None)
+        self._full_until.pop(name, None)
         await self._on_lost(name, reason)

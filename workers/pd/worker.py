@@ -20,6 +20,7 @@ from disagg.workers.metrics import WorkerMetrics
 from disagg.workers.pd.clients import PeerClients
 from disagg.workers.pd.config import PDConfig
 from disagg.workers.pd.decode import DecodeRole
+from disagg.workers.pd.decision import DecisionPolicy
 from disagg.workers.pd.messages import TransferMode
 from disagg.workers.pd.prefill import PrefillRole
 from disagg.workers.pd.service import Handlers, build_grpc_server
@@ -91,8 +92,10 @@ def build_prefill(engine_config: EngineConfig, server_config: ServerConfig,
     parts = _load(engine_config, server_config, metrics, config)
     loaded = parts.loaded
     mode = TransferMode(server_config.kv_transfer_mode.value)
+    policy = DecisionPolicy(server_config.pd_policy, server_config.pd_local_max_tokens,
+                            server_config.pd_local_max_running)
     role = PrefillRole(loaded.engine, loaded.tokenizer, loaded.model, parts.transport, parts.clients, metrics,
-                       parts.config, server_config.instance_name, parts.transfer_address, mode)
+                       parts.config, server_config.instance_name, parts.transfer_address, mode, policy)
     loaded.engine.start()  # after the role installed its layer hook
     return PDWorker(role, role, server_config, parts.config, parts.guard)
 
