@@ -70,6 +70,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                     default=_default(s, "kv_prefix_reuse"),
                     help="a decode shares the prompt blocks its prefix cache already holds, and the prefill sends "
                          "only the rest (default: on)")
+    kv.add_argument("--max-migrations", type=int, default=_default(s, "max_migrations"),
+                    help="times a prefill moves one stream to another decode when its decode fails it, "
+                         "0 for never (default %(default)s)")
     kv.add_argument("--stream-idle-timeout", type=float, default=_default(s, "stream_idle_timeout_s"),
                     metavar="SECONDS", help="a prefill fails a handed-off stream that gets no token from its decode "
                                             "for this long (default %(default)s)")
@@ -162,6 +165,7 @@ def build_configs(args: argparse.Namespace, env: Mapping[str, str] | None = None
         kv_connections=args.kv_connections,
         stream_idle_timeout_s=args.stream_idle_timeout,
         kv_prefix_reuse=args.kv_prefix_reuse,
+        max_migrations=args.max_migrations,
         pd_policy=PDPolicy(args.pd_policy),
         pd_local_max_tokens=args.pd_local_max_tokens,
         pd_local_max_running=args.pd_local_max_running,

@@ -81,6 +81,7 @@ class ServerConfig:
     # PDConfig.stream_idle_timeout_s, the one PD bound a user may want to set.
     stream_idle_timeout_s: float = PDConfig.stream_idle_timeout_s
     kv_prefix_reuse: bool = PDConfig.prefix_reuse  # PDConfig.prefix_reuse
+    max_migrations: int = PDConfig.max_migrations
     # A prefill's hand-off policy (workers/pd/decision.py).
     pd_policy: PDPolicy = DecisionPolicy.mode
     pd_local_max_tokens: int = DecisionPolicy.local_max_tokens
@@ -113,6 +114,8 @@ class ServerConfig:
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be blank")
         DecisionPolicy(self.pd_policy, self.pd_local_max_tokens, self.pd_local_max_running)  # raises if out of range
+        if self.max_migrations < 0:
+            raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
         if self.stream_idle_timeout_s <= 0:
             raise ValueError(f"stream_idle_timeout_s must be positive, got {self.stream_idle_timeout_s}")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:

@@ -45,6 +45,9 @@ class RequestOutcome:
 AUTH_PATHS = ("grpc", "http-link", "transfer")
 
 
+MIGRATION_REASONS = ("lost", "hung", "aborted", "idle")
+
+
 class WorkerMetrics:
     """All metrics of one worker; `role` labels its request counter."""
 
@@ -105,6 +108,12 @@ class WorkerMetrics:
         self.kv_cache_usage = Gauge("disagg_kv_cache_usage_ratio", "Fraction of KV cache blocks in use (0 to 1).",
                                     registry=r)
         self.links = Gauge("disagg_links", "Prefill/decode links this worker holds.", registry=r)
+        self.migrations = Counter(
+            "disagg_request_migrations",
+            "Streams a prefill moved to another decode when theirs failed them, by why "
+            "(lost, hung, aborted, idle).", ["reason"], registry=r)
+        for reason in MIGRATION_REASONS:
+            self.migrations.labels(reason=reason)
         self.pd_decisions = Counter(
             "disagg_pd_decision",
             "A prefill's choice per request: hand off to a decode, or serve it locally (workers/pd/decision.py).",

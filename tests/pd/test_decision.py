@@ -79,7 +79,14 @@ async def test_short_prompts_stay_on_the_prefill_under_auto(pd_pair: Callable[..
             tokens, by = await served(pair, f"r{n}", prompt_of(n))
             assert tokens == reference_tokens(prompt_of(n), GREEDY), f"prompt of {n} tokens"
             local = policy is PDPolicy.AUTO and n <= 32  # the worker's default local_max_tokens
-            assert by == {"prefill" if local else "prefill+decode"}, f"prompt of {n} tokens"
-        assert decisions(pair, "local") == (2 if policy is PDPolicy.AUTO else 0)
-        assert decisions(pair, "handoff") == (2 if policy is PDPolicy.AUTO else 4)
+            if n == 57 and policy is PDPolicy.AUTO:
+                # Measured by now: on this tiny model the round trips may cost more than the prompt.
+                assert len(by) == 1 and by <= {"prefill", "prefill+decode"}
+            else:  # the first longer prompt is handed off: nothing is measured yet
+                assert by == {"prefill" if local else "prefill+decode"}, f"prompt of {n} tokens"
+        if policy is PDPolicy.AUTO:
+            assert decisions(pair, "local") >= 2 and decisions(pair, "handoff") >= 1
+        else:
+            assert (decisions(pair, "local"), decisions(pair, "handoff")) == (0, 4)
+        assert decisions(pair, "local") + decisions(pair, "handoff") == 4
         assert (pair.prefill.role.stats().kv_blocks_free, pair.decode.role.stats().kv_blocks_free) == start

@@ -125,8 +125,12 @@ class LLMEngine:
         detokenizer = None
         if self.tokenizer is not None:
             detokenizer = self.tokenizer.detokenizer(prompt_token_ids, params.skip_special_tokens)
-        return Request(request_id, prompt_token_ids, params, self.config.block_size, detokenizer,
-                       device=self.model_runner.device, hold_after_first_token=hold_after_first_token)
+        request = Request(request_id, prompt_token_ids, params, self.config.block_size, detokenizer,
+                          device=self.model_runner.device, hold_after_first_token=hold_after_first_token)
+        if request.generator is not None and not params.is_greedy:
+            for _ in range(params.draws_made):  # drawn where the sequence began (a migrated stream)
+                skip_draw(request.generator, self.model_config.vocab_size)
+        return request
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     hold_after_first_token: bool = False) -> None:

@@ -37,6 +37,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k: the sampled token's logprob and k alternatives
     skip_special_tokens: bool = True
+    # Tokens of this sequence already drawn elsewhere (a migrated stream continues after them):
+    # a seeded request's generator starts past their draws, so the continuation is exact.
+    draws_made: int = 0
 
     def __post_init__(self) -> None:
         problems = list(self._problems())
@@ -66,6 +69,8 @@ class SamplingParams:
             out.append("repetition_penalty must be greater than 0")
         if not -1 <= self.top_k <= MAX_TOKEN_ID:
             out.append(f"top_k must be -1, 0 or a positive count up to {MAX_TOKEN_ID}, got {self.top_k}")
+        if not 0 <= self.draws_made <= MAX_TOKEN_ID:
+            out.append(f"draws_made must be between 0 and {MAX_TOKEN_ID}, got {self.draws_made}")
         if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
             out.append(f"seed must be between {SEED_RANGE[0]} and {SEED_RANGE[1]}, got {self.seed}")
         bad_stops = [t for t in self.stop_token_ids if not 0 <= t <= MAX_TOKEN_ID]

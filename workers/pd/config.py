@@ -27,11 +27,15 @@ class PDConfig:
     max_message_bytes: int = 16 << 20  # a larger gRPC message is refused with RESOURCE_EXHAUSTED
     # A decode shares the prompt blocks its prefix cache holds, when its prefill can skip them.
     prefix_reuse: bool = True
+    # Times one request's stream may move to another decode when its decode fails it (0: never).
+    max_migrations: int = 2
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if not isinstance(value, bool) and value <= 0:
+            if not isinstance(value, bool) and value <= 0 and f.name != "max_migrations":
                 raise ValueError(f"PDConfig.{f.name} must be positive, got {value}")
+        if self.max_migrations < 0:
+            raise ValueError(f"PDConfig.max_migrations must be >= 0, got {self.max_migrations}")
         if self.backoff_initial_s > self.backoff_max_s:
             raise ValueError("PDConfig.backoff_initial_s must not exceed backoff_max_s")

@@ -71,5 +71,5 @@ class LivenessWatch:
             seconds = self._config.health_failures * self._config.health_interval_s
             reason = f"stopped answering health checks for {seconds:.0f} s (hung)"
             log.warning("decode %s %s: no new requests go there, its streams fail", name, reason)
-            self._relay.fail_decode(name, reason)
+            self._relay.fail_decode(name, "hung", reason)
 

@@ -27,7 +27,8 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Coroutine, Sequence
+from typing import Any
 from dataclasses import dataclass, field
 
 from disagg.proto.vocabulary import InstanceInfo
@@ -46,7 +47,7 @@ from disagg.workers.pd.errors import DecodeFailed, RequestFailed, RequestRefused
 from disagg.workers.pd.liveness import LivenessWatch
 from disagg.workers.pd.messages import FirstToken, NewRequest, TransferMode
 from disagg.workers.pd.pusher import KVPusher
-from disagg.workers.pd.relay import SERVED_LOCALLY, Stream, TokenRelay
+from disagg.workers.pd.relay import SERVED_LOCALLY, Stream, TokenRelay, fail_stream
 from disagg.workers.pd.router import NO_DECODE, DecodeRouter, Route
 from disagg.workers.pd.service import Handlers
 from disagg.workers.transfer import Access, KVTransport, TransferSession
@@ -66,6 +67,9 @@ class _Call:
     route: Route | None = None  # its reservation on a decode
     held: bool = False  # the engine holds its prompt blocks (after the hand-off)
     started_on_decode: bool = False  # FirstGeneration succeeded
+    task: asyncio.Task[None] | None = None  # the current attempt (the first, or a migration)
+    migrations: int = 0
+    moved_because: str = ""  # why its last decode failed it, once it moved
 
 
 class PrefillRole(EngineHealth["AsyncEngine[LLMEngine]"]):
@@ -88,6 +92,9 @@ class PrefillRole(EngineHealth["AsyncEngine[LLMEngine]"]):
         self.liveness = LivenessWatch(self.router.peers, self.router.address, clients, self.relay, config)
         self.costs = CostModel(policy, engine.block_bytes / engine.block_size)
         self._local = 0  # requests this prefill serves itself (decision.py), now
+        self._config = config
+        self._calls: dict[str, _Call] = {}  # by client request id
+        self.relay.on_failure = self._stream_failed
         self._tasks: set[asyncio.Task[None]] = set()
         if mode is TransferMode.PUSH:
             engine.set_layer_hook(self.pusher.layer_hook)
@@ -126,7 +133,7 @@ class PrefillRole(EngineHealth["AsyncEngine[LLMEngine]"]):
         await self.router.peers.remove(info.name, "unlinked")
 
     async def _on_decode_lost(self, name: str, reason: str) -> None:
-        self.relay.fail_decode(name, reason)
+        self.relay.fail_decode(name, "lost", reason)
 
     # --- Health and Backend -------------------------------------------------------
 
@@ -148,18 +155,56 @@ class PrefillRole(EngineHealth["AsyncEngine[LLMEngine]"]):
         `RequestFailed` when the PD flow cannot complete it."""
         prompt = list(prompt_token_ids)
         call = _Call(request_id, prompt, params, self.relay.open(request_id, prompt, params))
-        task = asyncio.create_task(self._run(call), name=f"prefill-{request_id}")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._calls[request_id] = call
+        self._attempt(call, self._run(call))
         try:
             async for item in call.stream.outputs():
                 yield item
         finally:
+            self._calls.pop(request_id, None)
             self.relay.close(request_id)
-            if not call.started_on_decode:
-                task.cancel()  # its cleanup frees what the request holds, here and on the decode
+            if not call.started_on_decode and call.task is not None:
+                call.task.cancel()  # its cleanup frees what the request holds, here and on the decode
             if call.route is not None:
                 self.router.done(call.route.decode)
+
+    def _attempt(self, call: _Call, work: Coroutine[Any, Any, None]) -> None:
+        call.task = asyncio.create_task(work, name=f"prefill-{call.req_id}")
+        self._tasks.add(call.task)
+        call.task.add_done_callback(self._tasks.discard)
+
+    # --- migration ---------------------------------------------------------------
+
+    def _stream_failed(self, stream: Stream, kind: str, message: str) -> None:
+        """A stream's decode failed it: continue it on another decode, or fail it (the relay's hook).
+
+        The continuation is the prompt plus every token the client has, with the rest of the
+        token budget; a seeded generator skips the draws already made, so greedy and seeded
+        streams go on exactly as if nothing had happened (docs/pd-wire.md)."""
+        call = self._calls.get(stream.client_id)
+        if call is None or not call.started_on_decode:  # lost before its decode took it: nothing to continue
+            fail_stream(stream, kind, message)
+            return
+        original = stream.request.sampling_params
+        sent = list(stream.request.output_token_ids)
+        left = original.max_tokens - len(sent)
+        if call.migrations >= self._config.max_migrations or left <= 0:
+            fail_stream(stream, kind, f"{message}; not moved to another decode "
+                                      f"(moved {call.migrations} of at most {self._config.max_migrations} times)")
+            return
+        log.warning("request %s: %s; moving it to another decode after %d tokens", stream.client_id, message,
+                    len(sent))
+        self._metrics.migrations.labels(reason=kind).inc()
+        if call.route is not None:
+            self.router.done(call.route.decode)
+        call.migrations += 1
+        call.moved_because = message
+        call.req_id = f"{stream.client_id}~{call.migrations}"
+        call.prompt = list(stream.request.token_ids)  # the prompt, then every token the client has
+        call.params = dataclasses.replace(call.params, max_tokens=left, draws_made=original.draws_made + len(sent))
+        call.route, call.held, call.started_on_decode = None, False, False
+        self.relay.rebind(stream, call.req_id)
+        self._attempt(call, self._run(call, migrated=True))
 
     async def abort(self, request_id: str) -> None:
         """End a live request's stream with an "abort" output; its generator's exit cleans up."""
@@ -167,14 +212,17 @@ class PrefillRole(EngineHealth["AsyncEngine[LLMEngine]"]):
 
     # --- one request ---------------------------------------------------------------
 
-    async def _run(self, call: _Call) -> None:
+    async def _run(self, call: _Call, migrated: bool = False) -> None:
+        """One attempt at the request: the first, or a migration's (always handed off: the
+        relay follows it token by token, so the client's text goes on where it stopped)."""
         error: Exception | None = None
         try:
-            path, reason = await self._choose(call)
-            self._metrics.pd_decisions.labels(decision=path.value, reason=reason).inc()
-            if path is Path.LOCAL:
-                await self._serve_locally(call)
-                return
+            if not migrated:
+                path, reason = await self._choose(call)
+                self._metrics.pd_decisions.labels(decision=path.value, reason=reason).inc()
+                if path is Path.LOCAL:
+                    await self._serve_locally(call)
+                    return
             request = NewRequest(call.req_id, call.prompt, dataclasses.replace(call.params, stop=()), self._name)
             began = time.monotonic()
             call.route = await self.router.reserve(request, call.stream.request.num_blocks)
@@ -199,7 +247,9 @@ class PrefillRole(EngineHealth["AsyncEngine[LLMEngine]"]):
             await self._cleanup(call)
         finally:
             await asyncio.shield(self._release(call))
-        if error is not None:
+        if error is not None and migrated:
+            call.stream.put(DecodeFailed(f"{call.moved_because}; no other decode could continue it: {error}"))
+        elif error is not None:
             call.stream.put(error if isinstance(error, RequestFailed)
                             else DecodeFailed(f"request {call.req_id} failed: {error}"))
 

@@ -4,7 +4,12 @@ become the client's text here.
 Each `Stream` follows its request with the engine's own request state and stop
 checker (`AsyncEngine.follow`), fed token by token, so text, stop strings and
 finish reasons are exactly the mixed role's; the decode only sends token ids.
-This is where re-issuing a stream to another decode will sit.
+
+A stream whose decode fails (it went away, was unlinked, hung, aborted the
+request, or went silent) is not failed here but handed to `on_failure`, which
+the prefill sets to move it to another decode (migration) or fail it. A
+moved stream gets a new wire id (`rebind`), so tokens the old decode may still
+send for the old id are refused rather than mixed in.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from disagg.workers.engine.async_engine import AsyncEngine, outputs_until_finished
@@ -27,6 +32,8 @@ class Stream:
     """One client request's outputs, in order, and the decode that generates them."""
 
     request: Request  # followed: the engine never runs it
+    client_id: str  # the client's request id
+    wire_id: str  # the id its current decode knows it by (a new one after each migration)
     queue: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
     decode: str | None = None
     closed: bool = False  # the client side is done: later Generations are refused
@@ -46,26 +53,45 @@ SERVED_LOCALLY = "prefill"  # `usage.served_by` of a request a prefill served it
 SERVED_BY_PAIR = "prefill+decode"  # ... of one handed off
 
 
+# (stream, kind, message): kind is a metric label ("lost", "hung", "aborted", "idle").
+FailureHook = Callable[[Stream, str, str], None]
+
+
+def fail_stream(stream: Stream, kind: str, message: str) -> None:
+    """The default `on_failure`: the client gets the error."""
+    stream.put(DecodeFailed(message))
+
+
 class TokenRelay:
     def __init__(self, engine: AsyncEngine) -> None:
         self._engine = engine
-        self._streams: dict[str, Stream] = {}
+        self._streams: dict[str, Stream] = {}  # by client id
+        self._by_wire: dict[str, Stream] = {}
+        self.on_failure: FailureHook = fail_stream
 
     def __len__(self) -> int:
         return len(self._streams)
 
     def open(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Stream:
         """Start relaying a new request; ValueError for a duplicate id or a request the engine refuses."""
-        if request_id in self._streams:
+        if request_id in self._streams or request_id in self._by_wire:
             raise ValueError(f"request id {request_id!r} is already in use")
-        stream = Stream(self._engine.new_request(request_id, prompt_token_ids, params))
+        stream = Stream(self._engine.new_request(request_id, prompt_token_ids, params), request_id, request_id)
         self._streams[request_id] = stream
+        self._by_wire[request_id] = stream
         return stream
+
+    def rebind(self, stream: Stream, wire_id: str) -> None:
+        """The stream's next decode knows it as `wire_id`; the old id is refused from now on."""
+        self._by_wire.pop(stream.wire_id, None)
+        stream.wire_id, stream.decode, stream.handed_off = wire_id, None, False
+        self._by_wire[wire_id] = stream
 
     def close(self, request_id: str) -> None:
         stream = self._streams.pop(request_id, None)
         if stream is not None:
             stream.closed = True
+            self._by_wire.pop(stream.wire_id, None)
 
     def first_token(self, stream: Stream, hand_off: RequestOutput) -> None:
         """The token the prefill sampled, to the client."""
@@ -82,25 +108,25 @@ class TokenRelay:
         if stream is not None and not stream.closed:
             stream.put(self._engine.abort_followed(stream.request))
 
-    def fail_decode(self, decode: str, reason: str) -> None:
-        """A decode went away: fail the requests it was generating."""
-        for stream in [s for s in self._streams.values() if s.decode == decode]:
-            stream.put(DecodeFailed(f"the decode instance {decode} went away ({reason})"))
+    def fail_decode(self, decode: str, kind: str, reason: str) -> None:
+        """A decode went away or hung: the requests it was generating fail over (`on_failure`)."""
+        for stream in [s for s in self._streams.values() if s.decode == decode and not s.closed]:
+            self.on_failure(stream, kind, f"the decode instance {decode} went away ({reason})")
 
     def fail_idle(self, timeout_s: float) -> None:
         """Fail handed-off streams that got nothing from their decode for `timeout_s`."""
         now = time.monotonic()
-        for stream in self._streams.values():
+        for stream in list(self._streams.values()):
             if stream.handed_off and not stream.closed and now - stream.last_output > timeout_s:
-                stream.put(DecodeFailed(f"the decode instance {stream.decode} sent no token for "
-                                        f"{timeout_s:.0f} s"))
+                self.on_failure(stream, "idle", f"the decode instance {stream.decode} sent no token for "
+                                                f"{timeout_s:.0f} s")
 
     def _relay(self, out: RequestOutput) -> bool:
-        stream = self._streams.get(out.request_id)
+        stream = self._by_wire.get(out.request_id)
         if stream is None or stream.closed or stream.request.is_finished:
             return False
         if out.finished and out.finish_reason is FinishReason.ABORT:
-            stream.put(DecodeFailed(f"the decode instance {stream.decode} aborted request {out.request_id}"))
+            self.on_failure(stream, "aborted", f"the decode instance {stream.decode} aborted request {out.request_id}")
             return False
         delta = self._forward(stream, out, out.finish_reason if out.finished else None)
         return not delta.finished

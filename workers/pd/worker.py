@@ -115,7 +115,8 @@ def _load(engine_config: EngineConfig, server_config: ServerConfig, metrics: Wor
           config: PDConfig | None) -> _Parts:
     """Load the model (not started yet) and start the transfer listener."""
     config = config or PDConfig(stream_idle_timeout_s=server_config.stream_idle_timeout_s,
-                                prefix_reuse=server_config.kv_prefix_reuse)
+                                prefix_reuse=server_config.kv_prefix_reuse,
+                                max_migrations=server_config.max_migrations)
     loaded = load_engine(engine_config, server_config.served_model_name)
     pool = loaded.engine.kv_pool
     # The model identity in the layout: two workers link only if they serve the same source.

@@ -1,0 +1,96 @@
+"""Mid-stream migration, in one process over real gRPC and tcp: a prefill and two decodes; the
+decode generating a stream is unlinked (or aborts it) mid-way, the prefill moves the stream to
+the other decode, and the client gets one uninterrupted stream equal to an undisturbed run,
+greedy and seeded, with every block free afterwards."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+
+from disagg.proto import disagg_pd_pb2_grpc
+from disagg.workers.config import Role
+from disagg.workers.engine.sampling_params import SamplingParams
+from disagg.workers.pd.config import PDConfig
+from disagg.workers.pd.errors import DecodeFailed
+from disagg.workers.security.control import control_channel
+
+GREEDY = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=120, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+PROMPT = [(11 * i) % 200 + 3 for i in range(13)]
+
+
+@asynccontextmanager
+async def trio(pd_pair: Callable[..., Any], kit: Any, model: Any, pd: PDConfig | None = None) -> AsyncIterator[Any]:
+    """pd_pair's prefill and decode, and a second decode linked to the same prefill."""
+    async with pd_pair(pd=pd) as pair:
+        other, config = await kit.start_worker(model, Role.DECODE, pd=pd)
+        channel = control_channel(config.instance_name, kit.key)
+        try:
+            stub = disagg_pd_pb2_grpc.DisaggPDServiceStub(channel)
+            assert (await stub.LinkInstance(pair.prefill_info.to_proto(), timeout=10)).ok
+            await kit.wait_for(lambda: len(pair.prefill.role.router.peers) == 2, "two decodes linked")
+            pair.decodes = {pair.decode_config.instance_name: (pair.decode, pair.stub),
+                            config.instance_name: (other, stub)}
+            yield pair
+        finally:
+            await channel.close()
+            await kit.stop_worker(other)
+
+
+def free(pair: Any) -> list[int]:
+    return [pair.prefill.role.stats().kv_blocks_free] + [d.role.stats().kv_blocks_free
+                                                         for d, _ in pair.decodes.values()]
+
+
+def migrations(pair: Any, reason: str) -> float:
+    value = pair.prefill.role._metrics.registry.get_sample_value("disagg_request_migrations_total",
+                                                                 {"reason": reason})
+    return 0.0 if value is None else float(value)
+
+
+async def stream_with_a_fault(pair: Any, params: SamplingParams, fault: str) -> list[int]:
+    """Stream one request; after some tokens, fail its decode as `fault` says; all tokens."""
+    tokens: list[int] = []
+    hit = False
+    async for out in pair.prefill.role.generate("r", PROMPT, params):
+        tokens += out.new_token_ids
+        if not hit and len(tokens) >= 10:
+            hit = True
+            [name] = [n for n, (d, _) in pair.decodes.items() if d.role.stats().requests_running]
+            decode, stub = pair.decodes[name]
+            if fault == "unlink":
+                assert (await stub.UnlinkInstance(pair.prefill_info.to_proto(), timeout=10)).ok
+            else:  # the decode aborts it (its engine dropped the request)
+                wire_id = pair.prefill.role.relay._streams["r"].wire_id
+                await decode.role._engine.call(lambda e: e.abort_request(wire_id))
+    return tokens
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("fault", ["unlink", "abort"])
+async def test_a_failed_decode_hands_the_stream_on_without_a_seam(
+        pd_pair: Callable[..., Any], kit: Any, tiny_model_dir: Any, reference_tokens: Callable[..., list[int]],
+        params: SamplingParams, fault: str) -> None:
+    async with trio(pd_pair, kit, tiny_model_dir) as pair:
+        start = free(pair)
+        tokens = await stream_with_a_fault(pair, params, fault)
+        assert tokens == reference_tokens(PROMPT, params)
+        assert migrations(pair, "lost" if fault == "unlink" else "aborted") == 1
+        await kit.wait_for(lambda: sum(d.role.stats().requests_running for d, _ in pair.decodes.values()) == 0,
+                           "no decode runs it")
+        if fault == "unlink":  # relink the one that was unlinked: it counts its blocks like the others
+            for _, stub in pair.decodes.values():
+                assert (await stub.LinkInstance(pair.prefill_info.to_proto(), timeout=10)).ok
+        await kit.wait_for(lambda: free(pair) == start, "every block free on all three workers")
+
+
+async def test_migration_is_bounded(pd_pair: Callable[..., Any], kit: Any, tiny_model_dir: Any) -> None:
+    async with trio(pd_pair, kit, tiny_model_dir, PDConfig(max_migrations=0)) as pair:
+        with pytest.raises(DecodeFailed, match="moved 0 of at most 0 times"):
+            await stream_with_a_fault(pair, GREEDY, "unlink")
+        assert migrations(pair, "lost") == 0
+
