@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import kopf
@@ -34,6 +34,10 @@ from disagg.proto.vocabulary import (
 ROLES = POD_ROLES
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+# Who sets a role's pod count (docs/autoscaling.md, "Who owns a role's replica count").
+STATIC, EXTERNAL, AUTOSCALER = "static", "external", "autoscaler"
+SCALING_MODES = (STATIC, EXTERNAL)  # what spec.<role>.scaling chooses
+OWNERS = (*SCALING_MODES, AUTOSCALER)  # the built-in autoscaler owns the roles of a spec.scaling.autoscaler
 BLOCK_SIZES = tuple(1 << i for i in range(11))  # the engine takes powers of two; up to 1024
 
 # Defaults, written once: the CRD schema publishes them and parse_spec applies them.
@@ -72,6 +76,9 @@ FIELDS: tuple[Field, ...] = (
     Field("", "imagePullPolicy", "image_pull_policy", str, "IfNotPresent", "The worker image's pull policy.",
           choices=PULL_POLICIES),
     Field("role", "replicas", "replicas", int, DEFAULT_REPLICAS, "Number of {role} pods.", bounds=(0, MAX_REPLICAS)),
+    Field("role", "scaling", "scaling", str, STATIC,
+          "Who sets the number of {role} pods: static (spec.{role}.replicas) or external (the spec.replicas of the "
+          "DisaggRole <cluster>-{role}, through its /scale: HPA, KEDA, kubectl scale).", choices=SCALING_MODES),
     Field("role", "priorityClassName", "priority_class_name", str, None, "Pod priority class."),
     Field("kvTransfer", "mode", "mode", str, TransferMode.PUSH.value,
           "PUSH: the prefill writes each layer as it computes; PULL: the decode reads.",
@@ -125,6 +132,7 @@ class RoleSpec:
     """One role's pods. Kubernetes-shaped fields are kept as the API's dicts."""
 
     replicas: int
+    scaling: str  # one of SCALING_MODES
     resources: Mapping[str, Any]
     node_selector: Mapping[str, str]
     tolerations: tuple[Mapping[str, Any], ...]
@@ -181,6 +189,14 @@ class ClusterSpec:
     def role(self, name: str) -> RoleSpec:
         assert name in ROLES, f"unknown role {name!r}"
         return self.prefill if name == "prefill" else self.decode
+
+    def with_replicas(self, replicas: Mapping[str, int]) -> ClusterSpec:
+        """This spec with the roles' counts as their owners decided (operator/roles.py): what the pass plans with."""
+        def count(role: str) -> RoleSpec:
+            spec = self.role(role)
+            return replace(spec, replicas=replicas.get(role, spec.replicas))
+
+        return replace(self, prefill=count("prefill"), decode=count("decode"))
 
     @property
     def kv_layout(self) -> str:

@@ -38,8 +38,9 @@ from disagg.operator.settings import OperatorSettings
 from disagg.proto import disagg_pd_pb2, disagg_pd_pb2_grpc
 from disagg.testing.cluster import LocalCluster, wait_until
 from disagg.testing.controlplane import free_port
+from disagg.testing.kubectl import install_crd
 from disagg.testing.kubelet import HOSTNAME_LABEL, LocalKubelet
-from disagg.testing.rest import Obj
+from disagg.testing.rest import Kube, Obj
 from disagg.testing.pki import write_tls_folder
 from disagg.testing.tiny_model import build_tiny_model
 from disagg.workers.security.control import METADATA_KEY
@@ -69,21 +70,10 @@ def core(api: client.ApiClient) -> client.CoreV1Api:
 
 
 @pytest.fixture(scope="module")
-def custom(api: client.ApiClient) -> client.CustomObjectsApi:
-    """The DisaggCluster CRD, installed from the committed manifest's source, and established."""
-    ext = client.ApiextensionsV1Api(api)
-    try:
-        ext.create_custom_resource_definition(crd.crd(), _request_timeout=10)
-    except ApiException as e:
-        if e.status != 409:
-            raise
-
-    def established() -> bool:
-        got = ext.read_custom_resource_definition(f"{crd.PLURAL}.{crd.GROUP}", _request_timeout=10)
-        conditions = got.status.conditions if got.status is not None else None
-        return any(c.type == "Established" and c.status == "True" for c in conditions or [])
-
-    wait_until(established, 30, "the DisaggCluster CRD to be established")
+def custom(api: client.ApiClient, kube: Kube) -> client.CustomObjectsApi:
+    """Our CRDs (DisaggCluster, DisaggRole), installed from the committed manifests' source, and established."""
+    for build in crd.FILES.values():
+        install_crd(kube, build())
     return client.CustomObjectsApi(api)
 
 

@@ -14,12 +14,13 @@ from disagg.operator.spec import ClusterSpec
 from disagg.operator.status import build_status
 
 NOW = "2025-01-01T00:00:00Z"
+OWNERS = {"prefill": "static", "decode": "static"}
 
 
 def status_of(generation: int, spec: ClusterSpec, views: list[PodView], graph: LinkGraph, plan: LinkPlan,
               previous: dict[str, Any], now: str) -> dict[str, Any]:
     snap = take_snapshot(views, graph, plan, m.current_templates(spec))
-    return build_status("llm", "ns", generation, spec, snap, previous, now)
+    return build_status("llm", "ns", generation, spec, snap, previous, now, OWNERS)
 
 
 def conditions(status: dict[str, Any]) -> dict[str, tuple[str, str]]:
