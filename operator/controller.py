@@ -15,7 +15,7 @@ import datetime
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import grpc
@@ -43,7 +43,16 @@ from disagg.operator.reconcile import (
     with_loaded,
 )
 from disagg.operator.settings import OperatorSettings
-from disagg.operator.roles import RoleCount, child_name, child_object, child_status, decide_count, read_child
+from disagg.operator.roles import (
+    RoleCount,
+    apply_ratio,
+    child_name,
+    child_object,
+    child_status,
+    decide_count,
+    read_child,
+    rolling,
+)
 from disagg.operator.snapshot import ClusterSnapshot, take_snapshot
 from disagg.operator.spec import ROLES, ClusterSpec, parse_spec
 from disagg.operator.status import build_status, status_changed
@@ -129,8 +138,15 @@ class ClusterController:
         pods = list(views)
         await self._keep_key(body, spec, pods)
         await self._keep_tls(body, spec)
-        roles = {role: await self._keep_role(body, spec, role, templates[role], pods) for role in ROLES}
-        # From here on the pass plans and reports with the counts the roles' owners decided.
+        in_rollout = {role: rolling(pods, role, templates[role]) for role in ROLES}
+        roles = {role: await self._keep_role(body, spec, role, in_rollout[role]) for role in ROLES}
+        band = apply_ratio(spec.scaling, {role: state.count for role, state in roles.items()}, in_rollout)
+        if band.reason is not None:
+            self._event(body, "Normal" if band.satisfied else "Warning",
+                        "RatioBand" if band.satisfied else "RatioBandUnsatisfiable", f"ratio band: {band.reason}",
+                        key=("RatioBand", band.reason))
+        roles = {role: replace(state, count=band.counts[role]) for role, state in roles.items()}
+        # From here on the pass plans and reports with the counts the roles' owners decided, banded.
         spec = spec.with_replicas({role: state.count.desired for role, state in roles.items()})
         await self._scale(body, spec, templates, pods)
         pods = await self._observe_models(pods)
@@ -144,7 +160,7 @@ class ClusterController:
         self._start_drains(body, spec, snap.views)
         owners = {role: state.count.owner for role, state in roles.items()}
         status = build_status(self.name, self.namespace, generation, spec, snap, body.get("status") or {}, _now_iso(),
-                              owners)
+                              owners, band.reason)
         if status_changed(status, body.get("status") or {}):
             await self.deps.kube.patch_status(self.namespace, self.name, status)
         for role, state in roles.items():
@@ -160,15 +176,13 @@ class ClusterController:
             resync = min(resync, self.deps.settings.health_poll_s)
         return resync if due is None else max(0.05, min(resync, due - time.monotonic()))
 
-    async def _keep_role(self, body: kopf.Body, spec: ClusterSpec, role: str, template: str,
-                         views: Sequence[PodView]) -> RoleState:
+    async def _keep_role(self, body: kopf.Body, spec: ClusterSpec, role: str, in_rollout: bool) -> RoleState:
         """Decide the role's count (roles.decide_count) and keep its DisaggRole: made when missing,
         its spec.replicas written back where the owner is not an external scaler."""
         name = child_name(self.name, role)
         obj = await self.deps.kube.read_object(self.namespace, ROLE_PLURAL, name)
-        rolling = any(v.role == role and v.is_active and v.template != template for v in views)
         count = decide_count(self.name, role, spec.role(role).scaling, spec.role(role).replicas,
-                             None if obj is None else read_child(obj), rolling, self.recommended.get(role))
+                             None if obj is None else read_child(obj), in_rollout, self.recommended.get(role))
         if count.event is not None:
             self._event(body, *count.event)
         if count.write is not None and obj is not None:

@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from disagg.operator import spec as s
+from disagg.operator.scaling import scaling_schema
 
 GROUP = "disagg.dev"
 VERSION = "v1alpha1"
@@ -113,6 +114,7 @@ def spec_schema() -> Schema:
         drain=_section("Scale-down draining.", "drain"),
         security=_section("Authentication between the cluster's workers and the operator (docs/security.md).",
                           "security"),
+        scaling=scaling_schema(),
     )
     del top["default"]  # the spec itself is required, and so is its model
     return top | {"required": ["model"]}
@@ -145,7 +147,11 @@ def status_schema() -> Schema:
         "observedGeneration": {"type": "integer", "format": "int64"},
         "prefill": _role_status("prefill"),
         "decode": _role_status("decode"),
-        "scaling": _obj("Per role, who sets its count.", {role: _role_scaling(role) for role in s.ROLES}),
+        "scaling": _obj("Per role, who sets its count; the P:D ratio band's adjustment.", {
+            **{role: _role_scaling(role) for role in s.ROLES},
+            "ratio": _str("What the P:D ratio band (spec.scaling.ratio) changed in the owners' counts, and why; "
+                          "empty when they were inside it."),
+        }),
         "links": _obj("Prefill/decode links.", {"desired": n, "established": n, "failed": n}),
         "linksSummary": _str("established/desired, for the printer column."),
         "prefillReady": _str("ready/desired prefill pods, for the printer column."),

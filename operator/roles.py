@@ -11,14 +11,17 @@ children and plans its pods with the counts decided here.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any, cast
 
 import kopf
 
 from disagg.operator import manifests as m
 from disagg.operator.crd import GROUP, ROLE_KIND, VERSION
+from disagg.operator.ratio import Counts, apply_band
+from disagg.operator.reconcile import PodView
+from disagg.operator.scaling import MAX_REPLICAS, ScalingSpec
 from disagg.operator.snapshot import RoleCounts
 from disagg.operator.spec import AUTOSCALER, EXTERNAL, STATIC
 
@@ -131,6 +134,45 @@ def decide_count(cluster: str, role: str, mode: str, cluster_replicas: int, chil
         desired = child.desired
         message += f"; the scale-down to {asked} waits for the rollout in progress to end"
     return RoleCount(owner=owner, desired=desired, write=write, message=message, event=event)
+
+
+def rolling(views: Sequence[PodView], role: str, template: str) -> bool:
+    """A rollout of the role is in progress: some active pod is not of its current template."""
+    return any(v.role == role and v.is_active and v.template != template for v in views)
+
+
+@dataclass(frozen=True)
+class Banded:
+    counts: Mapping[str, RoleCount]  # per role, with the band's adjustment in desired and message
+    reason: str | None  # what the band changed and why; None when the owners' counts were inside it
+    satisfied: bool = True  # False: no counts within the limits fit, the owners' counts are kept
+
+
+def apply_ratio(scaling: ScalingSpec, counts: Mapping[str, RoleCount], rolling: Mapping[str, bool]) -> Banded:
+    """spec.scaling.ratio over the counts the owners decided, whoever they are (ratio.apply_band).
+    Growth is capped by the autoscaler's maxReplicas (else the spec's bound); a role is never
+    shrunk below the autoscaler's minReplicas, nor below its count during a rollout."""
+    if scaling.ratio is None:
+        return Banded(counts, None)
+    auto = scaling.autoscaler
+
+    def limit(role: str, which: str) -> int:
+        floor = counts[role].desired if which == "min" and rolling[role] else 0
+        if auto is None:
+            return floor if which == "min" else MAX_REPLICAS
+        bounds = auto.bounds["prefill" if role == "prefill" else "decode"]
+        return max(floor, bounds.min_replicas) if which == "min" else bounds.max_replicas
+
+    result = apply_band(scaling.ratio, Counts(counts["prefill"].desired, counts["decode"].desired),
+                        max_counts=Counts(limit("prefill", "max"), limit("decode", "max")),
+                        floor=Counts(limit("prefill", "min"), limit("decode", "min")))
+    if result.reason is None:
+        return Banded(counts, None)
+    banded = {role: count if getattr(result.counts, role) == count.desired else
+              replace(count, desired=getattr(result.counts, role), message=f"{count.message}; ratio band: "
+                                                                             f"{result.reason}")
+              for role, count in counts.items()}
+    return Banded(banded, result.reason, result.satisfied)
 
 
 def child_status(cluster: str, role: str, count: RoleCount, pods: RoleCounts, generation: int) -> dict[str, Any]:

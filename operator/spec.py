@@ -18,6 +18,7 @@ from typing import Any
 
 import kopf
 
+from disagg.operator.scaling import ScalingSpec, ScalingSpecError, parse_scaling
 from disagg.proto.vocabulary import (
     DEVICES,
     DTYPES,
@@ -185,6 +186,7 @@ class ClusterSpec:
     service: ServiceSpec
     security: SecuritySpec
     drain_timeout_s: int
+    scaling: ScalingSpec  # spec.scaling: the P:D ratio band and the autoscaler's settings (scaling.py)
 
     def role(self, name: str) -> RoleSpec:
         assert name in ROLES, f"unknown role {name!r}"
@@ -254,6 +256,10 @@ def parse_spec(spec: Mapping[str, Any]) -> ClusterSpec:
     if model is None or not model.get("source"):
         raise kopf.PermanentError("spec.model.source is required (a model folder, a GGUF file or builtin:NAME)")
     named = _values(model, "model", "spec.model")
+    try:
+        scaling = parse_scaling(_get(spec, "scaling", dict, None, "spec"))
+    except ScalingSpecError as e:  # what the schema cannot refuse: min above max, a band no counts satisfy
+        raise kopf.PermanentError(str(e)) from e
 
     def section(key: str) -> dict[str, Any]:
         return _values(_get(spec, key, dict, {}, "spec"), key, f"spec.{key}")
@@ -268,6 +274,7 @@ def parse_spec(spec: Mapping[str, Any]) -> ClusterSpec:
         service=ServiceSpec(**section("service")),
         security=SecuritySpec(**section("security")),
         **section("drain"),
+        scaling=scaling,
     )
 
 

@@ -1,6 +1,7 @@
 """DisaggRole on the real control plane, with the operator process and real workers: the children
 exist, owned by their cluster; `kubectl scale` through the API server's /scale scales an external
-role (pods made, linked, gated; a scale-down drains) and is set back on a static one.
+role (pods made, linked, gated; a scale-down drains) and is set back on a static one; the P:D
+ratio band clamps the owners' counts.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def test_roles_scale_through_their_scale_subresource(operator: OperatorProcess, 
     wait_until(lambda: _settled(kubectl, namespace, 1, 1), WAIT_S, "one prefill and one decode, linked")
     status = kubectl.json("get", "dc", "llm", "-n", namespace)["status"]
     assert status["scaling"] == {"prefill": {"owner": "static", "desired": 1},
-                                 "decode": {"owner": "external", "desired": 1}}
+                                 "decode": {"owner": "external", "desired": 1}, "ratio": ""}
 
     # What an HPA reads: the scale subresource, with the pods' selector.
     scale = kubectl.json("get", "dr", "llm-decode", "-n", namespace, "--subresource", "scale")
@@ -108,3 +109,13 @@ def test_roles_scale_through_their_scale_subresource(operator: OperatorProcess, 
     wait_until(lambda: _settled(kubectl, namespace, 1, 2), WAIT_S, "two decodes, static")
     assert kubectl.json("get", "dr", "llm-decode", "-n", namespace)["status"]["owner"] == "static"
     assert "ScalingOwnerChanged" in _reasons(kubectl, namespace)
+
+    # The P:D ratio band clamps whoever's counts: one prefill per decode grows prefill to 2.
+    kubectl("patch", "dc", "llm", "-n", namespace, "--type", "merge", "-p",
+            json.dumps({"spec": {"scaling": {"ratio": {"minPrefillPerDecode": "1", "maxPrefillPerDecode": "1"}}}}))
+    wait_until(lambda: _settled(kubectl, namespace, 2, 2), WAIT_S, "two prefills, as the band asks")
+    status = kubectl.json("get", "dc", "llm", "-n", namespace)["status"]
+    assert "prefill 1->2" in status["scaling"]["ratio"] and status["scaling"]["prefill"]["desired"] == 2
+    prefill = kubectl.json("get", "dr", "llm-prefill", "-n", namespace)
+    assert (prefill["spec"]["replicas"], prefill["status"]["desired"]) == (1, 2), "the owner's count is kept as asked"
+    assert "RatioBand" in _reasons(kubectl, namespace)

@@ -11,9 +11,21 @@ import pytest
 
 from disagg.operator import crd
 from disagg.operator import manifests as m
-from disagg.operator.roles import Child, child_object, child_status, decide_count, read_child, selector
+from disagg.operator.roles import (
+    Banded,
+    Child,
+    apply_ratio,
+    child_object,
+    child_status,
+    decide_count,
+    read_child,
+    selector,
+)
 from disagg.operator.snapshot import RoleCounts
 from disagg.operator.spec import parse_spec
+
+
+NOT_ROLLING = {"prefill": False, "decode": False}
 
 
 def child(replicas: int, owner: str | None, desired: int | None = None, generation: int = 1,
@@ -133,3 +145,52 @@ def test_the_status_is_what_scale_reads() -> None:
     obj = {"metadata": {"generation": 4}, "spec": {"replicas": 2}, "status": status}
     assert read_child(obj) == Child(replicas=2, owner="external", desired=2, generation=4, observed=4)
     assert not read_child(obj).scaled_by_others
+
+
+# ---- the P:D ratio band, over whoever's counts ----------------------------------
+
+
+def _counts(prefill: int, decode: int) -> dict[str, Any]:
+    return {"prefill": decide_count("llm", "prefill", "static", prefill, None, rolling=False),
+            "decode": decide_count("llm", "decode", "external", decode, child(decode, "external"), rolling=False)}
+
+
+def _scaling(band: tuple[str, str], autoscaler: dict[str, Any] | None = None) -> Any:
+    ratio = {"minPrefillPerDecode": band[0], "maxPrefillPerDecode": band[1]}
+    return parse_spec({"model": {"source": "m"}, "scaling": {"ratio": ratio, **(
+        {"autoscaler": autoscaler} if autoscaler else {})}}).scaling
+
+
+def test_no_band_or_counts_inside_it_change_nothing() -> None:
+    counts = _counts(1, 2)
+    assert apply_ratio(parse_spec({"model": {"source": "m"}}).scaling, counts, NOT_ROLLING) == Banded(counts, None)
+    assert apply_ratio(_scaling(("0.5", "1")), counts, NOT_ROLLING) == Banded(counts, None)
+
+
+def test_an_external_scale_that_breaks_the_band_grows_the_short_side() -> None:
+    """An HPA asked for 4 decodes with 1 prefill; at least 0.5 prefill per decode needs 2 prefills."""
+    banded = apply_ratio(_scaling(("0.5", "2")), _counts(1, 4), NOT_ROLLING)
+    assert (banded.counts["prefill"].desired, banded.counts["decode"].desired) == (2, 4)
+    assert banded.reason is not None and "prefill 1->2" in banded.reason and banded.satisfied
+    assert "ratio band: prefill 1->2" in banded.counts["prefill"].message
+    assert banded.counts["decode"] == _counts(1, 4)["decode"], "the side inside its share is left alone"
+
+
+def test_the_band_respects_the_autoscalers_maximum_and_a_rollout() -> None:
+    auto = {"prefill": {"minReplicas": 1, "maxReplicas": 1}, "decode": {"minReplicas": 1, "maxReplicas": 8},
+            "targets": {"ttftP90Ms": 500, "tpotP90Ms": 50}}
+    # Prefill cannot grow past 1: the decodes shrink to 2 instead...
+    banded = apply_ratio(_scaling(("0.5", "2"), auto), _counts(1, 4), NOT_ROLLING)
+    assert (banded.counts["prefill"].desired, banded.counts["decode"].desired) == (1, 2)
+    # ...but not while the decodes roll: nothing fits, the owners' counts are kept, and it says so.
+    held = apply_ratio(_scaling(("0.5", "2"), auto), _counts(1, 4), {"prefill": False, "decode": True})
+    assert (held.counts["decode"].desired, held.satisfied) == (4, False)
+
+
+def test_a_band_no_counts_satisfy_is_a_permanent_error() -> None:
+    auto = {"prefill": {"minReplicas": 1, "maxReplicas": 2}, "decode": {"minReplicas": 1, "maxReplicas": 2},
+            "targets": {"ttftP90Ms": 500, "tpotP90Ms": 50}}
+    with pytest.raises(kopf.PermanentError, match="no counts satisfy the band"):
+        _scaling(("3", "4"), auto)
+    schema = crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    assert schema["scaling"]["properties"]["ratio"]["required"] == ["minPrefillPerDecode", "maxPrefillPerDecode"]

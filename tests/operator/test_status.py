@@ -80,6 +80,6 @@ def test_the_status_says_who_owns_each_count_and_counts_against_it(spec: Cluster
     snap = take_snapshot(views, LinkGraph(), LinkPlan(), m.current_templates(decided))
     status = build_status("llm", "ns", 1, decided, snap, {}, NOW, {"prefill": "static", "decode": "external"})
     assert status["scaling"] == {"prefill": {"owner": "static", "desired": 1},
-                                 "decode": {"owner": "external", "desired": 3}}
+                                 "decode": {"owner": "external", "desired": 3}, "ratio": ""}
     assert status["decodeReady"] == "0/3"
     assert conditions(status)["Progressing"] == ("True", "Scaling")
