@@ -46,7 +46,8 @@ def _serving(kubectl: Kubectl, namespace: str, role: str) -> list[str]:
 
 def _settled(kubectl: Kubectl, namespace: str, prefill: int, decode: int) -> bool:
     status = kubectl.json("get", "dc", "llm", "-n", namespace).get("status") or {}
-    return (len(_serving(kubectl, namespace, "prefill")) == prefill and len(_serving(kubectl, namespace, "decode")) == decode
+    serving = {role: len(_serving(kubectl, namespace, role)) for role in ("prefill", "decode")}
+    return (serving == {"prefill": prefill, "decode": decode}
             and status.get("links", {}).get("established") == prefill * decode
             and status.get("decodeReady") == f"{decode}/{decode}")
 
