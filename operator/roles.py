@@ -126,8 +126,8 @@ def decide_count(cluster: str, role: str, mode: str, cluster_replicas: int, chil
                  f"{asked}" + (f"; set spec.{role}.scaling: external to let HPA, KEDA or kubectl scale set it"
                                if owner == STATIC else ""))
     elif previous is not None and previous != owner:
-        event = ("Normal", "ScalingOwnerChanged", f"the {role} count is now set by {owner} (was {previous}); "
-                 f"kept at {asked} pods")
+        event = ("Normal", "ScalingOwnerChanged", f"the {role} count is now set by {owner} (was {previous}): "
+                 f"{asked} pods")
     write = asked if child is None or child.replicas != asked else None
     desired = asked
     if rolling and child is not None and child.desired is not None and asked < child.desired:

@@ -105,7 +105,7 @@ def test_external_reads_the_child_and_ignores_the_cluster_count() -> None:
 def test_switching_static_to_external_keeps_the_current_size() -> None:
     got = decide_count("llm", "decode", "external", 3, child(3, "static"), rolling=False)
     assert (got.owner, got.desired, got.write) == ("external", 3, None)
-    assert got.event is not None and got.event[1] == "ScalingOwnerChanged" and "kept at 3" in got.event[2]
+    assert got.event is not None and got.event[1] == "ScalingOwnerChanged" and got.event[2].endswith(": 3 pods")
 
 
 @pytest.mark.parametrize("existing", [None, child(0, "static")])
