@@ -15,7 +15,7 @@ import datetime
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import grpc
@@ -26,7 +26,8 @@ from disagg.operator import manifests as m
 from disagg.operator.cluster_key import plan_key
 from disagg.operator.drain import drain, in_flight
 from disagg.operator.health import key_fingerprint, model_loaded
-from disagg.operator.kube import KubeApi
+from disagg.operator.crd import ROLE_PLURAL
+from disagg.operator.kube import KindNotServed, KubeApi
 from disagg.operator.graph import LinkGraph
 from disagg.operator.link_client import LinkClient
 from disagg.operator.links import LinkOp
@@ -42,8 +43,18 @@ from disagg.operator.reconcile import (
     with_loaded,
 )
 from disagg.operator.settings import OperatorSettings
+from disagg.operator.roles import (
+    RoleCount,
+    apply_ratio,
+    child_name,
+    child_object,
+    child_status,
+    decide_count,
+    read_child,
+    rolling,
+)
 from disagg.operator.snapshot import ClusterSnapshot, take_snapshot
-from disagg.operator.spec import ClusterSpec, parse_spec
+from disagg.operator.spec import ROLES, ClusterSpec, parse_spec
 from disagg.operator.status import build_status, status_changed
 from disagg.workers.security.key import ClusterKey
 from disagg.workers.security.tls import CA_FILE, CERT_FILE, KEY_FILE, channel_credentials
@@ -69,6 +80,15 @@ class Deps:
         body, type=kind, reason=reason, message=message)
 
 
+@dataclass(frozen=True)
+class RoleState:
+    """A role's count for one pass, and its DisaggRole as the pass left it (None: its CRD is not installed)."""
+
+    count: RoleCount
+    generation: int | None = None
+    status: Mapping[str, Any] = field(default_factory=dict)
+
+
 @dataclass
 class ClusterController:
     namespace: str
@@ -90,6 +110,9 @@ class ClusterController:
     # The link calls' mutual TLS, from spec.security.tlsSecretName's Secret, and the items it was built from.
     tls: grpc.ChannelCredentials | None = None
     tls_items: tuple[bytes, bytes, bytes] | None = None
+    # Per role, the built-in autoscaler's latest count: a role named here is owned by the autoscaler
+    # (roles.decide_count). The one place a recommendation enters the pass; empty until it is wired.
+    recommended: dict[str, int] = field(default_factory=dict)
 
     def wake(self) -> None:
         self.wakeup.set()
@@ -115,6 +138,16 @@ class ClusterController:
         pods = list(views)
         await self._keep_key(body, spec, pods)
         await self._keep_tls(body, spec)
+        in_rollout = {role: rolling(pods, role, templates[role]) for role in ROLES}
+        roles = {role: await self._keep_role(body, spec, role, in_rollout[role]) for role in ROLES}
+        band = apply_ratio(spec.scaling, {role: state.count for role, state in roles.items()}, in_rollout)
+        if band.reason is not None:
+            self._event(body, "Normal" if band.satisfied else "Warning",
+                        "RatioBand" if band.satisfied else "RatioBandUnsatisfiable", f"ratio band: {band.reason}",
+                        key=("RatioBand", band.reason))
+        roles = {role: replace(state, count=band.counts[role]) for role, state in roles.items()}
+        # From here on the pass plans and reports with the counts the roles' owners decided, banded.
+        spec = spec.with_replicas({role: state.count.desired for role, state in roles.items()})
         await self._scale(body, spec, templates, pods)
         pods = await self._observe_models(pods)
         plan = await self._link(body, pods)
@@ -125,15 +158,49 @@ class ClusterController:
         # Counted before any await below: a drain that runs meanwhile changes the graph, not this pass's counts.
         snap = self.latest = take_snapshot(pods, self.graph, plan, templates)
         self._start_drains(body, spec, snap.views)
-        status = build_status(self.name, self.namespace, generation, spec, snap, body.get("status") or {}, _now_iso())
+        owners = {role: state.count.owner for role, state in roles.items()}
+        status = build_status(self.name, self.namespace, generation, spec, snap, body.get("status") or {}, _now_iso(),
+                              owners, band.reason)
         if status_changed(status, body.get("status") or {}):
             await self.deps.kube.patch_status(self.namespace, self.name, status)
+        for role, state in roles.items():
+            if state.generation is None:
+                continue
+            child = child_status(self.name, role, state.count, snap.roles[role], state.generation)
+            if status_changed(child, state.status):
+                await self.deps.kube.patch_status(self.namespace, child_name(self.name, role), child, ROLE_PLURAL)
         self.deps.metrics.export(self.namespace, self.name, snap)
         due = self.graph.next_due()
         resync = self.deps.settings.resync_s
         if any(v.awaits_model for v in snap.views):
             resync = min(resync, self.deps.settings.health_poll_s)
         return resync if due is None else max(0.05, min(resync, due - time.monotonic()))
+
+    async def _keep_role(self, body: kopf.Body, spec: ClusterSpec, role: str, in_rollout: bool) -> RoleState:
+        """Decide the role's count (roles.decide_count) and keep its DisaggRole: made when missing,
+        its spec.replicas written back where the owner is not an external scaler."""
+        name = child_name(self.name, role)
+        obj = await self.deps.kube.read_object(self.namespace, ROLE_PLURAL, name)
+        count = decide_count(self.name, role, spec.role(role).scaling, spec.role(role).replicas,
+                             None if obj is None else read_child(obj), in_rollout, self.recommended.get(role))
+        if count.event is not None:
+            self._event(body, *count.event)
+        if count.write is not None and obj is not None:
+            obj = await self.deps.kube.patch_object(self.namespace, ROLE_PLURAL, name,
+                                                    {"spec": {"replicas": count.write}})
+        elif count.write is not None:
+            try:
+                obj = await self.deps.kube.create_object(self.namespace, ROLE_PLURAL,
+                                                         child_object(body, role, count.write))
+            except KindNotServed:
+                self._event(body, "Warning", "DisaggRoleNotInstalled", "the DisaggRole CRD is not installed "
+                            "(kubectl apply -f deploy/crds/disagg.dev_disaggroles.yaml): the roles have no /scale "
+                            "until it is", key=("DisaggRoleNotInstalled",))
+                return RoleState(count)
+            if obj is None:  # made meanwhile by someone else: the next pass reads it
+                return RoleState(count)
+        assert obj is not None
+        return RoleState(count, int(obj["metadata"].get("generation") or 0), obj.get("status") or {})
 
     async def _keep_key(self, body: kopf.Body, spec: ClusterSpec, views: Sequence[PodView]) -> None:
         """Make the cluster key's Secret, take a rotation's next step once every worker

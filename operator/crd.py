@@ -1,8 +1,8 @@
-"""The `DisaggCluster` CustomResourceDefinition, built in code.
+"""The CustomResourceDefinitions, built in code: `DisaggCluster` and its per-role child `DisaggRole`.
 
-The committed manifest `deploy/crds/disagg.dev_disaggclusters.yaml` is this
-module's output (`python -m disagg.operator.crd > deploy/crds/...`); a test
-keeps the two equal. Every scalar field of the spec comes from spec.FIELDS,
+The committed manifests in `deploy/crds/` (and the chart's `crds/`) are this
+module's output (`python -m disagg.operator.crd [FILE]`, one per name in
+`FILES`); a test keeps them equal. Every scalar field of the spec comes from spec.FIELDS,
 the table parse_spec reads, so the schema and the operator's parser cannot
 disagree on a default, a bound or a choice.
 """
@@ -10,17 +10,24 @@ disagree on a default, a bound or a choice.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import yaml
 
 from disagg.operator import spec as s
+from disagg.operator.scaling import scaling_schema
 
 GROUP = "disagg.dev"
 VERSION = "v1alpha1"
 KIND = "DisaggCluster"
 PLURAL = "disaggclusters"
 SHORT_NAME = "dc"
+# The per-role child (operator/roles.py): a CRD exposes `/scale` for one replicas path only,
+# so each role of a cluster gets its own object for HPA, KEDA and `kubectl scale`.
+ROLE_KIND = "DisaggRole"
+ROLE_PLURAL = "disaggroles"
+ROLE_SHORT_NAME = "dr"
 
 Schema = dict[str, Any]
 
@@ -107,6 +114,7 @@ def spec_schema() -> Schema:
         drain=_section("Scale-down draining.", "drain"),
         security=_section("Authentication between the cluster's workers and the operator (docs/security.md).",
                           "security"),
+        scaling=scaling_schema(),
     )
     del top["default"]  # the spec itself is required, and so is its model
     return top | {"required": ["model"]}
@@ -115,6 +123,14 @@ def spec_schema() -> Schema:
 def _role_status(role: str) -> Schema:
     n = {"type": "integer", "format": "int32"}
     return _obj(f"The {role} pods.", {"replicas": n, "updated": n, "ready": n, "linked": n, "draining": n})
+
+
+def _role_scaling(role: str) -> Schema:
+    return _obj(f"Who sets the {role} count, and to what (docs/autoscaling.md).", {
+        "owner": _str(f"static (spec.{role}.replicas), external (the DisaggRole <name>-{role}'s spec.replicas) or "
+                      "autoscaler (spec.scaling.autoscaler).", enum=list(s.OWNERS)),
+        "desired": {"type": "integer", "format": "int32", "description": "The count the operator scales the role to."},
+    })
 
 
 def status_schema() -> Schema:
@@ -131,6 +147,11 @@ def status_schema() -> Schema:
         "observedGeneration": {"type": "integer", "format": "int64"},
         "prefill": _role_status("prefill"),
         "decode": _role_status("decode"),
+        "scaling": _obj("Per role, who sets its count; the P:D ratio band's adjustment.", {
+            **{role: _role_scaling(role) for role in s.ROLES},
+            "ratio": _str("What the P:D ratio band (spec.scaling.ratio) changed in the owners' counts, and why; "
+                          "empty when they were inside it."),
+        }),
         "links": _obj("Prefill/decode links.", {"desired": n, "established": n, "failed": n}),
         "linksSummary": _str("established/desired, for the printer column."),
         "prefillReady": _str("ready/desired prefill pods, for the printer column."),
@@ -152,27 +173,28 @@ def printer_columns() -> list[Schema]:
     ]
 
 
-def crd() -> Schema:
-    """The CustomResourceDefinition object (apiextensions.k8s.io/v1)."""
+def _definition(kind: str, plural: str, short_name: str, subresources: Schema, columns: list[Schema],
+                description: str, spec: Schema, status: Schema) -> Schema:
+    """A namespaced CustomResourceDefinition object (apiextensions.k8s.io/v1) of one version."""
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
-        "metadata": {"name": f"{PLURAL}.{GROUP}"},
+        "metadata": {"name": f"{plural}.{GROUP}"},
         "spec": {
             "group": GROUP,
             "scope": "Namespaced",
-            "names": {"kind": KIND, "listKind": f"{KIND}List", "plural": PLURAL,
-                      "singular": KIND.lower(), "shortNames": [SHORT_NAME]},
+            "names": {"kind": kind, "listKind": f"{kind}List", "plural": plural,
+                      "singular": kind.lower(), "shortNames": [short_name]},
             "versions": [{
                 "name": VERSION,
                 "served": True,
                 "storage": True,
-                "subresources": {"status": {}},
-                "additionalPrinterColumns": printer_columns(),
+                "subresources": subresources,
+                "additionalPrinterColumns": columns,
                 "schema": {"openAPIV3Schema": _obj(
-                    "A prefill/decode disaggregated LLM serving cluster.",
+                    description,
                     {"apiVersion": {"type": "string"}, "kind": {"type": "string"},
-                     "metadata": {"type": "object"}, "spec": spec_schema(), "status": status_schema()},
+                     "metadata": {"type": "object"}, "spec": spec, "status": status},
                     required=["spec"],
                 )},
             }],
@@ -180,10 +202,59 @@ def crd() -> Schema:
     }
 
 
-def render() -> str:
-    header = "# Generated by `python -m disagg.operator.crd`; do not edit by hand.\n"
-    return header + yaml.safe_dump(crd(), sort_keys=False, width=120)
+def crd() -> Schema:
+    """The DisaggCluster CustomResourceDefinition."""
+    return _definition(KIND, PLURAL, SHORT_NAME, {"status": {}}, printer_columns(),
+                       "A prefill/decode disaggregated LLM serving cluster.", spec_schema(), status_schema())
+
+
+def role_crd() -> Schema:
+    """The DisaggRole CustomResourceDefinition: one role of a DisaggCluster, with a `/scale` subresource."""
+    n = {"type": "integer", "format": "int32"}
+    spec = _obj("The role's pod count, as a scaler sets it.", {
+        "replicas": {**n, "minimum": 0, "maximum": s.MAX_REPLICAS, "description":
+                     "Pods of the role. The truth only when status.owner is external (HPA, KEDA, kubectl scale); "
+                     "otherwise the operator writes it back (docs/autoscaling.md)."},
+    }, required=["replicas"])
+    status = _obj("The observed state, written by the operator.", {
+        "observedGeneration": {"type": "integer", "format": "int64"},
+        "replicas": {**n, "description": "Active pods of the role (not draining, not terminating)."},
+        "ready": {**n, "description": "Pods serving: ready and linked."},
+        "desired": {**n, "description": "The count the operator scales the role to now."},
+        "selector": _str("The role's pods, as a label selector string (for the HPA)."),
+        "owner": _str("Who sets the count: static (the cluster's spec.<role>.replicas), external (this "
+                      "object's spec.replicas) or autoscaler (spec.scaling.autoscaler).", enum=list(s.OWNERS)),
+        "message": _str("Why the desired count is what it is."),
+    })
+    columns = [
+        {"name": "Owner", "type": "string", "jsonPath": ".status.owner", "description": "who sets the count"},
+        {"name": "Desired", "type": "integer", "jsonPath": ".status.desired"},
+        {"name": "Replicas", "type": "integer", "jsonPath": ".status.replicas"},
+        {"name": "Ready", "type": "integer", "jsonPath": ".status.ready"},
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    ]
+    scale = {"specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
+             "labelSelectorPath": ".status.selector"}
+    return _definition(ROLE_KIND, ROLE_PLURAL, ROLE_SHORT_NAME, {"status": {}, "scale": scale}, columns,
+                       "One role (prefill or decode) of a DisaggCluster, made by the operator; its /scale is "
+                       "for HPA, KEDA and `kubectl scale`.", spec, status)
+
+
+# Per committed file name (deploy/crds/ and the chart's crds/), its CRD.
+FILES: dict[str, Callable[[], Schema]] = {
+    f"{GROUP}_{PLURAL}.yaml": crd,
+    f"{GROUP}_{ROLE_PLURAL}.yaml": role_crd,
+}
+
+
+def render(file: str = f"{GROUP}_{PLURAL}.yaml") -> str:
+    """The committed YAML of `file` (a name in FILES)."""
+    command = "python -m disagg.operator.crd" + ("" if file == f"{GROUP}_{PLURAL}.yaml" else f" {file}")
+    header = f"# Generated by `{command}`; do not edit by hand.\n"
+    return header + yaml.safe_dump(FILES[file](), sort_keys=False, width=120)
 
 
 if __name__ == "__main__":
-    sys.stdout.write(render())
+    if len(sys.argv) > 2 or len(sys.argv) == 2 and sys.argv[1] not in FILES:
+        sys.exit(f"usage: python -m disagg.operator.crd [{'|'.join(FILES)}]")
+    sys.stdout.write(render(*sys.argv[1:]))

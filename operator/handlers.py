@@ -18,7 +18,7 @@ from kubernetes import client, config
 from kubernetes.config.config_exception import ConfigException
 
 from disagg.operator.controller import ClusterController, Deps
-from disagg.operator.crd import GROUP, PLURAL, VERSION
+from disagg.operator.crd import GROUP, PLURAL, ROLE_PLURAL, VERSION
 from disagg.operator.kube import KubeApi
 from disagg.operator.link_client import LinkClient
 from disagg.operator.manifests import CLUSTER_LABEL
@@ -28,7 +28,8 @@ from disagg.operator.settings import OperatorSettings, configure
 from disagg.operator.spec import parse_spec
 
 CLUSTERS = (GROUP, VERSION, PLURAL)
-WORKER_PODS = {CLUSTER_LABEL: kopf.PRESENT}  # the label selector of our worker pods
+ROLES = (GROUP, VERSION, ROLE_PLURAL)
+OF_A_CLUSTER = {CLUSTER_LABEL: kopf.PRESENT}  # the label selector of our worker pods and DisaggRoles
 
 
 class OperatorState:
@@ -107,14 +108,16 @@ def clusters_probe(memo: kopf.Memo, **_: Any) -> int:
     return len(memo.state.controllers)
 
 
-@kopf.index("pods", labels=WORKER_PODS)
+@kopf.index("pods", labels=OF_A_CLUSTER)
 def pods_by_cluster(namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[tuple[str, str], PodView]:
     return {(namespace or "", labels[CLUSTER_LABEL]): pod_view(body)}
 
 
-@kopf.on.event("pods", labels=WORKER_PODS)
-def pod_changed(namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
-    """A pod that dies or starts terminating is unlinked in the very next pass: wake it."""
+@kopf.on.event("pods", labels=OF_A_CLUSTER)
+@kopf.on.event(*ROLES, labels=OF_A_CLUSTER)
+def member_changed(namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
+    """A pod that dies or starts terminating is unlinked in the very next pass, and a DisaggRole
+    scaled through /scale (HPA, KEDA, kubectl scale) is acted on in it: wake it."""
     controller = memo.state.controllers.get((namespace or "", labels[CLUSTER_LABEL]))
     if controller is not None:
         controller.wake()

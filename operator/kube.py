@@ -20,6 +20,10 @@ from kubernetes.client.exceptions import ApiException
 from disagg.operator.crd import GROUP, PLURAL, VERSION
 
 
+class KindNotServed(LookupError):
+    """The API server serves no such resource: its CRD is not installed."""
+
+
 class KubeApi:
     def __init__(self, api_client: client.ApiClient, timeout_s: float = 30.0) -> None:
         self.core = client.CoreV1Api(api_client)
@@ -112,6 +116,36 @@ class KubeApi:
         await self._call(True, self.core.patch_namespaced_secret, name, namespace, dict(patch),
                          _preload_content=False)
 
-    async def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
-        await self._call(True, self.custom.patch_namespaced_custom_object_status, GROUP, VERSION, namespace, PLURAL,
+    async def patch_status(self, namespace: str, name: str, status: Mapping[str, Any], plural: str = PLURAL) -> None:
+        await self._call(True, self.custom.patch_namespaced_custom_object_status, GROUP, VERSION, namespace, plural,
                          name, {"status": dict(status)})
+
+    async def read_object(self, namespace: str, plural: str, name: str) -> dict[str, Any] | None:
+        """One of our custom objects; None when it (or its kind) does not exist."""
+        try:
+            found: dict[str, Any] = await self._call(False, self.custom.get_namespaced_custom_object, GROUP, VERSION,
+                                                     namespace, plural, name)
+        except ApiException as e:
+            if e.status != 404:
+                raise
+            return None
+        return found
+
+    async def create_object(self, namespace: str, plural: str, body: Mapping[str, Any]) -> dict[str, Any] | None:
+        """Create one of our custom objects; None when one of that name exists, KindNotServed without its CRD."""
+        try:
+            made: dict[str, Any] = await self._call(True, self.custom.create_namespaced_custom_object, GROUP, VERSION,
+                                                    namespace, plural, dict(body))
+        except ApiException as e:
+            if e.status == 404:
+                raise KindNotServed(f"{plural}.{GROUP}") from e
+            if e.status != 409:
+                raise
+            return None
+        return made
+
+    async def patch_object(self, namespace: str, plural: str, name: str, patch: Mapping[str, Any]) -> dict[str, Any]:
+        """A merge patch of one of our custom objects; the object as it is now."""
+        patched: dict[str, Any] = await self._call(True, self.custom.patch_namespaced_custom_object, GROUP, VERSION,
+                                                   namespace, plural, name, dict(patch))
+        return patched

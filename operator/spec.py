@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import kopf
 
+from disagg.operator.scaling import ScalingSpec, ScalingSpecError, parse_scaling
 from disagg.proto.vocabulary import (
     DEVICES,
     DTYPES,
@@ -36,6 +37,10 @@ from disagg.proto.vocabulary import (
 ROLES = POD_ROLES
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+# Who sets a role's pod count (docs/autoscaling.md, "Who owns a role's replica count").
+STATIC, EXTERNAL, AUTOSCALER = "static", "external", "autoscaler"
+SCALING_MODES = (STATIC, EXTERNAL)  # what spec.<role>.scaling chooses
+OWNERS = (*SCALING_MODES, AUTOSCALER)  # the built-in autoscaler owns the roles of a spec.scaling.autoscaler
 BLOCK_SIZES = tuple(1 << i for i in range(11))  # the engine takes powers of two; up to 1024
 
 # Defaults, written once: the CRD schema publishes them and parse_spec applies them.
@@ -74,6 +79,9 @@ FIELDS: tuple[Field, ...] = (
     Field("", "imagePullPolicy", "image_pull_policy", str, "IfNotPresent", "The worker image's pull policy.",
           choices=PULL_POLICIES),
     Field("role", "replicas", "replicas", int, DEFAULT_REPLICAS, "Number of {role} pods.", bounds=(0, MAX_REPLICAS)),
+    Field("role", "scaling", "scaling", str, STATIC,
+          "Who sets the number of {role} pods: static (spec.{role}.replicas) or external (the spec.replicas of the "
+          "DisaggRole <cluster>-{role}, through its /scale: HPA, KEDA, kubectl scale).", choices=SCALING_MODES),
     Field("role", "priorityClassName", "priority_class_name", str, None, "Pod priority class."),
     Field("kvTransfer", "mode", "mode", str, TransferMode.PUSH.value,
           "PUSH: the prefill writes each layer as it computes; PULL: the decode reads.",
@@ -137,6 +145,7 @@ class RoleSpec:
     """One role's pods. Kubernetes-shaped fields are kept as the API's dicts."""
 
     replicas: int
+    scaling: str  # one of SCALING_MODES
     resources: Mapping[str, Any]
     node_selector: Mapping[str, str]
     tolerations: tuple[Mapping[str, Any], ...]
@@ -192,10 +201,19 @@ class ClusterSpec:
     service: ServiceSpec
     security: SecuritySpec
     drain_timeout_s: int
+    scaling: ScalingSpec  # spec.scaling: the P:D ratio band and the autoscaler's settings (scaling.py)
 
     def role(self, name: str) -> RoleSpec:
         assert name in ROLES, f"unknown role {name!r}"
         return self.prefill if name == "prefill" else self.decode
+
+    def with_replicas(self, replicas: Mapping[str, int]) -> ClusterSpec:
+        """This spec with the roles' counts as their owners decided (operator/roles.py): what the pass plans with."""
+        def count(role: str) -> RoleSpec:
+            spec = self.role(role)
+            return replace(spec, replicas=replicas.get(role, spec.replicas))
+
+        return replace(self, prefill=count("prefill"), decode=count("decode"))
 
     @property
     def kv_layout(self) -> str:
@@ -253,6 +271,10 @@ def parse_spec(spec: Mapping[str, Any]) -> ClusterSpec:
     if model is None or not model.get("source"):
         raise kopf.PermanentError("spec.model.source is required (a model folder, a GGUF file or builtin:NAME)")
     named = _values(model, "model", "spec.model")
+    try:
+        scaling = parse_scaling(_get(spec, "scaling", dict, None, "spec"))
+    except ScalingSpecError as e:  # what the schema cannot refuse: min above max, a band no counts satisfy
+        raise kopf.PermanentError(str(e)) from e
 
     def section(key: str) -> dict[str, Any]:
         return _values(_get(spec, key, dict, {}, "spec"), key, f"spec.{key}")
@@ -267,6 +289,7 @@ def parse_spec(spec: Mapping[str, Any]) -> ClusterSpec:
         service=ServiceSpec(**section("service")),
         security=SecuritySpec(**section("security")),
         **section("drain"),
+        scaling=scaling,
     )
 
 

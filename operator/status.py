@@ -102,8 +102,11 @@ def conditions(spec: ClusterSpec, snap: ClusterSnapshot) -> list[Condition]:
 
 
 def build_status(cluster: str, namespace: str, generation: int, spec: ClusterSpec, snap: ClusterSnapshot,
-                 previous: Mapping[str, Any], now: str) -> dict[str, Any]:
-    """The whole status; a condition keeps its lastTransitionTime while its status holds."""
+                 previous: Mapping[str, Any], now: str, owners: Mapping[str, str],
+                 ratio: str | None = None) -> dict[str, Any]:
+    """The whole status; a condition keeps its lastTransitionTime while its status holds.
+    `spec` holds the counts the roles' `owners` (roles.py) decided, after the ratio band's
+    adjustment `ratio` (None: none)."""
     before = {c.get("type"): c for c in previous.get("conditions") or []}
     conds = []
     for c in conditions(spec, snap):
@@ -117,6 +120,8 @@ def build_status(cluster: str, namespace: str, generation: int, spec: ClusterSpe
         "observedGeneration": generation,
         "prefill": roles["prefill"].status(),
         "decode": roles["decode"].status(),
+        "scaling": {**{role: {"owner": owners[role], "desired": spec.role(role).replicas} for role in ROLES},
+                    "ratio": ratio or ""},
         "links": {"desired": links.desired, "established": links.established, "failed": links.failed},
         "linksSummary": f"{links.established}/{links.desired}",
         "prefillReady": f"{roles['prefill'].ready}/{spec.prefill.replicas}",

@@ -5,7 +5,7 @@ the local control plane and kubelet (`up`), `helm install` of the chart (the
 operator runs as the chart Deployment's pod under the local kubelet, with its
 ServiceAccount's token), `kubectl apply -f` of the CPU example, `kubectl get
 dc -w` until it is Available, one chat answer from the pod behind the prefill
-Service, and `kubectl get dc,pods`. The cluster stays up for more; `down`
+Service, and `kubectl get dc,dr,pods`. The cluster stays up for more; `down`
 tears it all down. Every step has a deadline.
 """
 
@@ -127,14 +127,12 @@ def demo(runtime_dir: Path, ready_timeout_s: float = 900.0) -> int:
         shell.watch_until_available(ready_timeout_s)
         answer = _chat(shell, timeout_s=120)
         print(f"answer: {answer!r}")
-        resources = shell.run("kubectl", "api-resources", "--api-group=disagg.dev", "-o", "name", show=False)
-        kinds = ",".join(["dc", *(["dr"] if "disaggroles" in resources else []), "pods"])
-        shell.run("kubectl", "get", kinds, "-n", RELEASE_NAMESPACE, "-o", "wide")
+        shell.run("kubectl", "get", "dc,dr,pods", "-n", RELEASE_NAMESPACE, "-o", "wide")
     except DemoError as e:
         print(f"demo-k8s failed: {e}\npod logs: {state['pod_logs']}", file=sys.stderr)
         return 1
     print(f"\ndone in {time.monotonic() - began:.0f} s. Try it yourself:")
     print(f"  export KUBECONFIG={state['admin_kubeconfig']} PATH={state['binaries']}:$PATH")
-    print(f"  kubectl get dc,pods -n {RELEASE_NAMESPACE}   (pod logs: {state['pod_logs']})")
+    print(f"  kubectl get dc,dr,pods -n {RELEASE_NAMESPACE}   (pod logs: {state['pod_logs']})")
     print(f"tear it all down: make cluster-down   ({sys.executable} -m disagg.testing down --runtime-dir {runtime_dir})")
     return 0

@@ -10,67 +10,19 @@ operator's side is tests/e2e/test_operator.py and `make demo-k8s`).
 from __future__ import annotations
 
 import json
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
-from kubernetes.client.exceptions import ApiException
 
-from disagg.operator import crd
-from disagg.testing.binaries import find_binaries
-from disagg.testing.cluster import LocalCluster, wait_until
 from disagg.testing.gateway_crds import CrdUnavailable, inference_pool_crd
+from disagg.testing.kubectl import Kubectl, install_crd
 from disagg.testing.rest import Kube
 
 pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "deploy" / "examples"
-KUBECTL_TIMEOUT_S = 60.0
-
-
-class Kubectl:
-    def __init__(self, binary: Path, kubeconfig: Path) -> None:
-        self.binary, self.kubeconfig = binary, kubeconfig
-
-    def __call__(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        done = subprocess.run([str(self.binary), "--kubeconfig", str(self.kubeconfig), *args], capture_output=True,
-                              text=True, timeout=KUBECTL_TIMEOUT_S, check=False)
-        if check and done.returncode != 0:
-            raise AssertionError(f"kubectl {' '.join(args)} exited with {done.returncode}:\n{done.stdout}{done.stderr}")
-        return done
-
-    def json(self, *args: str) -> dict[str, Any]:
-        answer: dict[str, Any] = json.loads(self(*args, "-o", "json").stdout)
-        return answer
-
-
-def _install_crd(kube: Kube, body: dict[str, Any]) -> None:
-    name = body["metadata"]["name"]
-    try:
-        kube.post("/apis/apiextensions.k8s.io/v1/customresourcedefinitions", body)
-    except ApiException as e:
-        if e.status != 409:
-            raise
-
-    def established() -> bool:
-        got = kube.get(f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}")
-        return any(c["type"] == "Established" and c["status"] == "True"
-                   for c in (got.get("status") or {}).get("conditions") or [])
-
-    wait_until(established, 30, f"the {name} CRD to be established")
-
-
-@pytest.fixture(scope="module")
-def kubectl(cluster: LocalCluster, kube: Kube) -> Iterator[Kubectl]:
-    binary = find_binaries().kubectl
-    if binary is None:
-        pytest.fail("hack/k8s-binaries.sh built no kubectl", pytrace=False)
-    _install_crd(kube, crd.crd())
-    yield Kubectl(binary, cluster.admin_kubeconfig)
 
 
 def test_apply_get_and_apply_again(kubectl: Kubectl, namespace: str) -> None:
@@ -116,7 +68,7 @@ def test_inference_pool_example_passes_a_server_side_dry_run(kubectl: Kubectl, k
         pool_crd = inference_pool_crd()
     except CrdUnavailable as e:
         pytest.fail(f"the InferencePool CRD is not available: {e}", pytrace=False)
-    _install_crd(kube, pool_crd)
+    install_crd(kube, pool_crd)
     example = EXAMPLES / "inferencepool.yaml"
     out = kubectl("apply", "--dry-run=server", "-n", namespace, "-f", str(example), "-o", "json").stdout
     pool = json.loads(out)

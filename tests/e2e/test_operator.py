@@ -25,7 +25,6 @@ import kopf
 import pytest
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
-from prometheus_client.parser import text_string_to_metric_families
 
 from disagg.operator import crd
 from disagg.operator import manifests as m
@@ -39,9 +38,9 @@ from disagg.proto import disagg_pd_pb2, disagg_pd_pb2_grpc
 from disagg.testing.cluster import LocalCluster, wait_until
 from disagg.testing.controlplane import free_port
 from disagg.testing.kubelet import HOSTNAME_LABEL, LocalKubelet
+from disagg.testing.operator_process import OperatorProcess, sample
 from disagg.testing.rest import Obj
 from disagg.testing.pki import write_tls_folder
-from disagg.testing.tiny_model import build_tiny_model
 from disagg.workers.security.control import METADATA_KEY
 from disagg.workers.security.key import ClusterKey
 from disagg.workers.security.tls import TLS_SERVER_NAME
@@ -52,109 +51,6 @@ ROOT = Path(__file__).resolve().parents[2]
 WAIT_S = 120.0
 MODEL_NAME = "tiny-llama"
 LINK_METHOD = "/xllm.proto.DisaggPDService/LinkInstance"
-
-
-# ---- fixtures ----------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def api(cluster: LocalCluster) -> Iterator[client.ApiClient]:
-    with config.new_client_from_config(config_file=str(cluster.admin_kubeconfig)) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def core(api: client.ApiClient) -> client.CoreV1Api:
-    return client.CoreV1Api(api)
-
-
-@pytest.fixture(scope="module")
-def custom(api: client.ApiClient) -> client.CustomObjectsApi:
-    """The DisaggCluster CRD, installed from the committed manifest's source, and established."""
-    ext = client.ApiextensionsV1Api(api)
-    try:
-        ext.create_custom_resource_definition(crd.crd(), _request_timeout=10)
-    except ApiException as e:
-        if e.status != 409:
-            raise
-
-    def established() -> bool:
-        got = ext.read_custom_resource_definition(f"{crd.PLURAL}.{crd.GROUP}", _request_timeout=10)
-        conditions = got.status.conditions if got.status is not None else None
-        return any(c.type == "Established" and c.status == "True" for c in conditions or [])
-
-    wait_until(established, 30, "the DisaggCluster CRD to be established")
-    return client.CustomObjectsApi(api)
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama"))
-
-
-@pytest.fixture(scope="module")
-def worker_path() -> Iterator[None]:
-    """The kubelet runs `disagg` from PATH: put this virtualenv's bin first."""
-    before = os.environ["PATH"]
-    os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{before}"
-    yield
-    os.environ["PATH"] = before
-
-
-class OperatorProcess:
-    """`disagg operator` as its own process, standalone, from the admin kubeconfig; restartable."""
-
-    def __init__(self, kubeconfig: Path, log: Path) -> None:
-        self.kubeconfig, self.log = kubeconfig, log
-        self.metrics_port = free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        assert self.proc is None, "the operator is already running"
-        env = {**os.environ, "DISAGG_OPERATOR_METRICS_PORT": str(self.metrics_port),
-               "DISAGG_OPERATOR_RESYNC_S": "2", "DISAGG_OPERATOR_LINK_TIMEOUT_S": "3",
-               "DISAGG_OPERATOR_DRAIN_GRACE_S": "2", "DISAGG_OPERATOR_METRICS_POLL_S": "0.2"}
-        with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "disagg.operator.main", "--standalone", "--liveness-port", "0",
-                 "--kubeconfig", str(self.kubeconfig)],
-                stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-
-    def stop(self) -> None:
-        assert self.proc is not None, "the operator is not running"
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-        self.proc = None
-
-    def metric(self, name: str, **labels: str) -> float:
-        """One sample of the operator's /metrics (0 when absent)."""
-        text = httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).text
-        return sample(text, name, labels)
-
-
-@pytest.fixture
-def operator(cluster: LocalCluster, custom: client.CustomObjectsApi, worker_path: None,
-             tmp_path: Path) -> Iterator[OperatorProcess]:
-    op = OperatorProcess(cluster.admin_kubeconfig, tmp_path / "operator.log")
-    op.start()
-    yield op
-    if op.proc is not None:
-        op.stop()
-    sys.stderr.write(op.log.read_text(errors="replace")[-4000:])
-
-
-def sample(text: str, name: str, labels: dict[str, str] | None = None) -> float:
-    """The sum of `name`'s samples whose labels include `labels`, in a Prometheus text page."""
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in (labels or {}).items()):
-                total += s.value
-    return total
 
 
 def worker_metric(pod: dict[str, Any], name: str) -> float:

@@ -237,14 +237,17 @@ def test_default_rbac_creates_pods_only_in_the_release_namespace(helm: Helm) -> 
 
 def test_chart_crd_is_the_operators_crd() -> None:
     """crds/ holds exactly what `python -m disagg.operator.crd` prints."""
-    assert (CHART / "crds" / "disagg.dev_disaggclusters.yaml").read_text() == crd.render()
+    assert sorted(p.name for p in (CHART / "crds").iterdir()) == sorted(crd.FILES)
+    for file in crd.FILES:
+        assert (CHART / "crds" / file).read_text() == crd.render(file)
 
 
 def test_managed_crd_is_rendered_from_the_same_file_and_kept_on_uninstall(helm: Helm) -> None:
     objects = helm.template("-f", str(VALUES / "crds-managed.yaml"))
-    rendered = objects.one("CustomResourceDefinition")
-    assert rendered["spec"] == crd.crd()["spec"]
-    assert rendered["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}
+    for build in crd.FILES.values():
+        rendered = objects.one("CustomResourceDefinition", build()["metadata"]["name"])
+        assert rendered["spec"] == build()["spec"]
+        assert rendered["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}
     assert objects.one("Deployment")["metadata"]["name"] == "disagg-operator"
     assert re.fullmatch(r"ghcr\.io/disagg/operator@sha256:[0-9a-f]{64}", operator_container(objects)["image"])
     assert not helm.template().find("CustomResourceDefinition"), "off by default: crds/ installs it"

@@ -219,6 +219,11 @@ def test_operator_as_the_chart_account_creates_pods_and_writes_status(
 
     s = wait_until(status, WAIT_S, "the status written by the operator")
     assert s["prefillReady"] == "0/1" and s["decodeReady"] == "0/1"
+    # The per-role DisaggRoles, made and given their status under the same RBAC.
+    roles = f"/apis/{crd.GROUP}/{crd.VERSION}/namespaces/{namespace}/{crd.ROLE_PLURAL}"
+    children = wait_until(lambda: [c for c in kube.get(roles)["items"] if c.get("status")] or None, WAIT_S,
+                          "the DisaggRoles with their status")
+    assert sorted(c["metadata"]["name"] for c in children) == ["llm-decode", "llm-prefill"]
     assert kube.get(f"/api/v1/namespaces/{namespace}/services/llm")["spec"]["selector"][m.ROLE_LABEL] == "prefill"
     # The endpoints the chart's probes and metrics Service point at answer.
     assert httpx.get(f"http://127.0.0.1:{operator.health_port}/healthz", timeout=5).status_code == 200
@@ -237,6 +242,10 @@ def test_operator_as_the_chart_account_creates_pods_and_writes_status(
     ("DELETE", f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{CRD_NAME}", None),
     ("DELETE", "/api/v1/namespaces/{ns}/services/anything", None),
     ("PATCH", "/api/v1/namespaces/{ns}", {"metadata": {"labels": {"x": "y"}}}),
+    # The operator writes a role's spec.replicas itself: /scale is for the scalers, and it deletes no role.
+    ("PUT", f"/apis/{crd.GROUP}/{crd.VERSION}/namespaces/{{ns}}/{crd.ROLE_PLURAL}/x/scale",
+     {"metadata": {"name": "x"}, "spec": {"replicas": 1}}),
+    ("DELETE", f"/apis/{crd.GROUP}/{crd.VERSION}/namespaces/{{ns}}/{crd.ROLE_PLURAL}/x", None),
 ])
 def test_actions_outside_the_chart_rbac_are_refused(installed: Installed, namespace: str, method: str, path: str,
                                                    body: dict[str, Any] | None) -> None:

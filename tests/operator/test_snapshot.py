@@ -19,6 +19,7 @@ from disagg.operator.spec import ROLES, ClusterSpec
 from disagg.operator.status import available, build_status, degraded, links_ready, progressing, status_changed
 
 NOW = "2025-01-01T00:00:00Z"
+OWNERS = {"prefill": "static", "decode": "static"}
 
 
 def link(graph: LinkGraph, plan: LinkPlan, errors: dict[tuple[str, str], str], now: float = 0.0) -> None:
@@ -70,7 +71,7 @@ def test_snapshot_counts_each_role_and_the_links(mixed: tuple[ClusterSpec, list[
 def test_status_and_metrics_show_the_same_counts(mixed: tuple[ClusterSpec, list[PodView]]) -> None:
     spec, views = mixed
     snap = snapshot_of(spec, views)
-    status = build_status("llm", "ns", 1, spec, snap, {}, NOW)
+    status = build_status("llm", "ns", 1, spec, snap, {}, NOW, OWNERS)
     metrics = OperatorMetrics()
     metrics.export("ns", "llm", snap)
 
@@ -175,7 +176,8 @@ def test_an_operator_restart_writes_no_status(spec: ClusterSpec, served_pod: Cal
         graph = LinkGraph()
         plan = plan_links(views, graph, now=now)
         link(graph, plan, {})
-        status = build_status("llm", "ns", 1, spec, take_snapshot(views, graph, plan, templates), written, later)
+        status = build_status("llm", "ns", 1, spec, take_snapshot(views, graph, plan, templates), written, later,
+                              OWNERS)
         if not written:
             written = status
     assert not status_changed(status, written)

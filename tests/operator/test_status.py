@@ -14,12 +14,13 @@ from disagg.operator.spec import ClusterSpec
 from disagg.operator.status import build_status
 
 NOW = "2025-01-01T00:00:00Z"
+OWNERS = {"prefill": "static", "decode": "static"}
 
 
 def status_of(generation: int, spec: ClusterSpec, views: list[PodView], graph: LinkGraph, plan: LinkPlan,
               previous: dict[str, Any], now: str) -> dict[str, Any]:
     snap = take_snapshot(views, graph, plan, m.current_templates(spec))
-    return build_status("llm", "ns", generation, spec, snap, previous, now)
+    return build_status("llm", "ns", generation, spec, snap, previous, now, OWNERS)
 
 
 def conditions(status: dict[str, Any]) -> dict[str, tuple[str, str]]:
@@ -69,3 +70,16 @@ def test_link_failures_and_layout_mismatches_are_degraded_with_reasons(
     # d2 was made from another spec: it is rolled away (the template hash tells).
     assert c["Progressing"] == ("True", "RollingUpdate")
     assert status_of(2, spec, views, graph, plan, {}, NOW)["decode"]["updated"] == 1
+
+
+def test_the_status_says_who_owns_each_count_and_counts_against_it(spec: ClusterSpec,
+                                                                   served_pod: Callable[..., Any]) -> None:
+    """An external owner's count (3 decodes) replaces spec.decode.replicas in the status and its conditions."""
+    views = [pod_view(served_pod("decode", "d", "127.0.0.21", spec))]
+    decided = spec.with_replicas({"decode": 3})
+    snap = take_snapshot(views, LinkGraph(), LinkPlan(), m.current_templates(decided))
+    status = build_status("llm", "ns", 1, decided, snap, {}, NOW, {"prefill": "static", "decode": "external"})
+    assert status["scaling"] == {"prefill": {"owner": "static", "desired": 1},
+                                 "decode": {"owner": "external", "desired": 3}, "ratio": ""}
+    assert status["decodeReady"] == "0/3"
+    assert conditions(status)["Progressing"] == ("True", "Scaling")
