@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import kopf
 from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
 from kubernetes.config.config_exception import ConfigException
 
 from disagg.operator.controller import ClusterController, Deps
@@ -123,6 +124,11 @@ def member_changed(namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, 
         controller.wake()
 
 
+def _namespace_terminating(e: ApiException) -> bool:
+    """The API server's refusal to create anything in a namespace being deleted."""
+    return e.status == 403 and "NamespaceTerminating" in str(e.body or "")
+
+
 @kopf.on.create(*CLUSTERS)
 @kopf.on.update(*CLUSTERS, field="spec")
 def validate(spec: kopf.Spec, name: str, namespace: str | None, memo: kopf.Memo, **_: Any) -> None:
@@ -150,6 +156,11 @@ async def reconcile(name: str, namespace: str | None, body: kopf.Body, memo: kop
             except kopf.PermanentError as e:
                 metrics.reconcile_errors.labels("reconcile").inc()
                 kopf.warn(body, reason="InvalidSpec", message=str(e))
+            except ApiException as e:
+                if not _namespace_terminating(e):
+                    metrics.reconcile_errors.labels("reconcile").inc()
+                    logger.exception("reconcile of %s/%s failed: %s", namespace, name, e)
+                # else: the cluster goes with its namespace; nothing can be made there any more
             except Exception as e:  # noqa: BLE001 - one bad pass must not end the loop; the next retries
                 metrics.reconcile_errors.labels("reconcile").inc()
                 logger.exception("reconcile of %s/%s failed: %s", namespace, name, e)

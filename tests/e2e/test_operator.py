@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import concurrent.futures
 import json
 import os
 import signal
@@ -109,7 +110,8 @@ def test_defaults_are_filled_in_by_the_api_server(custom: client.CustomObjectsAp
     body = {"apiVersion": f"{crd.GROUP}/{crd.VERSION}", "kind": crd.KIND, "metadata": {"name": "d"},
             "spec": {"model": {"source": "m"}}}
     got = create(custom, namespace, body)["spec"]
-    assert got["prefill"]["replicas"] == 1 and got["kvTransfer"] == {"mode": "PUSH", "transport": "tcp"}
+    assert got["prefill"]["replicas"] == 1 and got["kvTransfer"] == {"mode": "PUSH", "transport": "tcp", "policy": "always"}
+    assert got["security"] == {"insecure": False, "allowAnonymousPeers": False, "apiKeySecretKey": "key"}
     assert got["engine"]["blockSize"] == 16 and got["drain"]["timeoutSeconds"] == 60
 
 
@@ -653,3 +655,43 @@ def test_workers_link_and_serve_over_mutual_tls_from_a_secret(
     # The key alone no longer gets a caller in: the gRPC port speaks only TLS.
     key = ClusterKey(_key_text(cast(dict[str, Any], _key_secret(core, namespace))).encode())
     assert _link_status(decode["status"]["podIP"], key) == grpc.StatusCode.UNAVAILABLE
+
+
+def _long_completion(ip: str, max_tokens: int) -> list[int]:
+    """A streamed greedy completion; its token ids (an error in band raises)."""
+    body = {"model": MODEL_NAME, "prompt": [5, 9, 13, 17, 21], "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "return_token_ids": True}
+    tokens: list[int] = []
+    with httpx.stream("POST", f"http://{ip}:{m.HTTP_PORT}/v1/completions", json=body, timeout=120) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk["error"]
+                tokens += [t for c in chunk["choices"] for t in c.get("token_ids") or ()]
+    return tokens
+
+
+def test_a_drain_shorter_than_its_streams_moves_them_and_loses_none(
+        operator: OperatorProcess, custom: client.CustomObjectsApi, core: client.CoreV1Api, namespace: str,
+        tiny_model: Path) -> None:
+    """Scale-down with a 1 s drain: the drained decode is unlinked mid-stream, and its stream moves to
+    the other decode. Both streams (the same greedy request) end complete and equal."""
+    body = cluster_body("llm", str(tiny_model), decode=2)
+    body["spec"]["drain"] = {"timeoutSeconds": 1}
+    create(custom, namespace, body)
+    wait_until(lambda: _settled(custom, core, namespace, 1, 2), WAIT_S, "one prefill and two decodes, linked")
+    (prefill,) = pods(core, namespace, "prefill")
+    ip = prefill["status"]["podIP"]
+    length = 480  # of the tiny model's 512 positions; one stream per decode (the router spreads them)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        streams = [pool.submit(_long_completion, ip, length) for _ in range(2)]
+        wait_until(lambda: sum(worker_metric(p, "disagg_requests_running") for p in pods(core, namespace, "decode"))
+                   == 2 or None, WAIT_S, "both decodes generate")
+        _scale(custom, namespace, "decode", 1)
+        first, second = (s.result(timeout=WAIT_S) for s in streams)
+    assert len(first) == length and first == second, "a moved stream goes on exactly where it stopped"
+    wait_until(lambda: _settled(custom, core, namespace, 1, 1), WAIT_S, "down to one decode")
+    assert "DrainTimeout" in _reasons(core, namespace)
+    (prefill,) = pods(core, namespace, "prefill")
+    assert worker_metric(prefill, "disagg_request_migrations_total") == 1
