@@ -675,23 +675,30 @@ def _long_completion(ip: str, max_tokens: int) -> list[int]:
 def test_a_drain_shorter_than_its_streams_moves_them_and_loses_none(
         operator: OperatorProcess, custom: client.CustomObjectsApi, core: client.CoreV1Api, namespace: str,
         tiny_model: Path) -> None:
-    """Scale-down with a 1 s drain: the drained decode is unlinked mid-stream, and its stream moves to
-    the other decode. Both streams (the same greedy request) end complete and equal."""
-    body = cluster_body("llm", str(tiny_model), decode=2)
-    body["spec"]["drain"] = {"timeoutSeconds": 1}
+    """Scale-down with no time to drain: the drained decode is unlinked mid-stream, and its streams move
+    to the other decode. Every stream (the same greedy request) ends complete and equal to the others."""
+    body = cluster_body("llm", str(tiny_model), decode=2, numKvBlocks=512)
+    body["spec"]["drain"] = {"timeoutSeconds": 0}
     create(custom, namespace, body)
     wait_until(lambda: _settled(custom, core, namespace, 1, 2), WAIT_S, "one prefill and two decodes, linked")
     (prefill,) = pods(core, namespace, "prefill")
     ip = prefill["status"]["podIP"]
-    length = 480  # of the tiny model's 512 positions; one stream per decode (the router spreads them)
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        streams = [pool.submit(_long_completion, ip, length) for _ in range(2)]
-        wait_until(lambda: sum(worker_metric(p, "disagg_requests_running") for p in pods(core, namespace, "decode"))
-                   == 2 or None, WAIT_S, "both decodes generate")
+    length = 480  # of the tiny model's 512 positions; the router spreads the streams over both decodes
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        streams = [pool.submit(_long_completion, ip, length) for _ in range(4)]
+
+        def running() -> dict[str, float] | None:
+            counts = {p["metadata"]["name"]: worker_metric(p, "disagg_requests_running")
+                      for p in pods(core, namespace, "decode")}
+            return counts if sum(counts.values()) == 4 and min(counts.values()) > 0 else None
+
+        counts = wait_until(running, WAIT_S, "both decodes generate")
         _scale(custom, namespace, "decode", 1)
-        first, second = (s.result(timeout=WAIT_S) for s in streams)
-    assert len(first) == length and first == second, "a moved stream goes on exactly where it stopped"
+        outputs = [s.result(timeout=WAIT_S) for s in streams]
+    assert len(outputs[0]) == length and all(o == outputs[0] for o in outputs), "moved streams go on exactly"
     wait_until(lambda: _settled(custom, core, namespace, 1, 1), WAIT_S, "down to one decode")
     assert "DrainTimeout" in _reasons(core, namespace)
     (prefill,) = pods(core, namespace, "prefill")
-    assert worker_metric(prefill, "disagg_request_migrations_total") == 1
+    (kept,) = pods(core, namespace, "decode")
+    moved = sum(n for name, n in counts.items() if name != kept["metadata"]["name"])
+    assert worker_metric(prefill, "disagg_request_migrations_total") == moved

@@ -90,16 +90,22 @@ class DecodeRouter:
                 raise NoDecodeAvailable(reason)
             for name in sorted(live, key=lambda n: self._load.get(n, 0)):
                 address = self._addresses[name]
+                # Counted while asked, so that a burst of requests spreads over the decodes.
+                self._load[name] = self._load.get(name, 0) + 1
                 try:
                     [answer] = await self._clients.add_new_requests(address, self._name, [request])
                 except PDError as exc:
+                    self.done(name)
                     reason = f"decode {name} failed AddNewRequests: {exc}"
                     continue
-                if answer.status is Admission.OK:
-                    if len(answer.block_ids) != num_blocks:
-                        raise DecodeFailed(f"decode {name} reserved {len(answer.block_ids)} blocks, not {num_blocks}")
-                    self._load[name] = self._load.get(name, 0) + 1
+                except BaseException:  # cancelled (the client went away): not routed there after all
+                    self.done(name)
+                    raise
+                if answer.status is Admission.OK and len(answer.block_ids) == num_blocks:
                     return Route(name, address, answer.block_ids, answer.num_cached_blocks)
+                self.done(name)
+                if answer.status is Admission.OK:
+                    raise DecodeFailed(f"decode {name} reserved {len(answer.block_ids)} blocks, not {num_blocks}")
                 if answer.status is Admission.TOO_LARGE:
                     raise PromptNeverFits(f"the prompt of {len(request.prompt_token_ids)} tokens can never fit "
                                           f"the KV cache of decode {name}")
