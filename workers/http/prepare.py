@@ -14,6 +14,7 @@ from disagg.workers.engine.sampling_params import SamplingParams
 from disagg.workers.engine.tokenizer import Tokenizer
 from disagg.workers.http.backend import ModelInfo
 from disagg.workers.http.errors import BadRequest, ModelNotFound
+from disagg.workers.http.fields import check_extra_fields, check_message_fields
 from disagg.workers.http.protocol import CHAT_ROLES, ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
 
 
@@ -30,6 +31,7 @@ def check_model(requested: str, model: ModelInfo) -> None:
 
 def prepare_completion(req: CompletionRequest, model: ModelInfo, tokenizer: Tokenizer) -> Prepared:
     check_model(req.model, model)
+    check_extra_fields(req)
     if req.echo:
         raise BadRequest("echo is not supported", "echo")
     prompt = req.prompt
@@ -51,9 +53,10 @@ def prepare_completion(req: CompletionRequest, model: ModelInfo, tokenizer: Toke
 
 def prepare_chat(req: ChatCompletionRequest, model: ModelInfo, tokenizer: Tokenizer) -> Prepared:
     check_model(req.model, model)
+    check_extra_fields(req)
     if not req.messages:
         raise BadRequest("messages must not be empty", "messages")
-    messages = [{"role": m.role, "content": _message_text(m)} for m in req.messages]
+    messages = [_message(i, m) for i, m in enumerate(req.messages)]
     try:
         ids = tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt)
     except TemplateError as exc:
@@ -67,7 +70,16 @@ def prepare_chat(req: ChatCompletionRequest, model: ModelInfo, tokenizer: Tokeni
     return Prepared(ids, _sampling_params(req, max_tokens, logprobs, ids, model))
 
 
-def _message_text(message: ChatMessage) -> str:
+def _message(index: int, message: ChatMessage) -> dict[str, str]:
+    """The message as the chat template sees it; `name` goes along for templates that use it."""
+    rendered = {"role": message.role, "content": _message_text(index, message)}
+    if message.name is not None:
+        rendered["name"] = message.name
+    return rendered
+
+
+def _message_text(index: int, message: ChatMessage) -> str:
+    check_message_fields(index, message.model_extra)
     if message.role not in CHAT_ROLES:
         raise BadRequest(f"unknown message role {message.role!r}: expected one of {', '.join(CHAT_ROLES)}", "messages")
     if message.tool_calls:
