@@ -37,6 +37,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k: the sampled token's logprob and k alternatives
     skip_special_tokens: bool = True
+    grammar: str | None = None  # llguidance's grammar text (engine/grammar.py): constrained decoding
 
     def __post_init__(self) -> None:
         problems = list(self._problems())

@@ -48,7 +48,6 @@ class Refused:
 
 
 _TOOLS = "tool calling is not supported"
-_GUIDED = "structured outputs (constrained decoding) are not supported"
 
 REFUSED: dict[str, Refused] = {
     # OpenAI
@@ -56,7 +55,6 @@ REFUSED: dict[str, Refused] = {
     "tool_choice": Refused(_TOOLS, _is("none")),
     "functions": Refused(_TOOLS, _is([])),
     "function_call": Refused(_TOOLS, _is("none")),
-    "response_format": Refused(_GUIDED, _is({"type": "text"})),
     "logit_bias": Refused("logit_bias is not supported", _is({})),
     "best_of": Refused("best_of other than n is not supported", _best_of_noop),
     "suffix": Refused("suffix (insertion) is not supported", _is("")),
@@ -68,13 +66,9 @@ REFUSED: dict[str, Refused] = {
     "verbosity": Refused("this model has no verbosity control"),
     # vLLM's extensions
     "echo": Refused("echo is not supported", _is(False)),
-    "guided_json": Refused(_GUIDED),
-    "guided_regex": Refused(_GUIDED),
-    "guided_choice": Refused(_GUIDED),
-    "guided_grammar": Refused(_GUIDED),
-    "structural_tag": Refused(_GUIDED),
-    "guided_decoding_backend": Refused(_GUIDED),
-    "guided_whitespace_pattern": Refused(_GUIDED),
+    "structural_tag": Refused("structural tags are not supported"),
+    "guided_decoding_backend": Refused("the structured-output backend is fixed (llguidance)"),
+    "guided_whitespace_pattern": Refused("JSON output is compact; its whitespace cannot be chosen"),
     "prompt_logprobs": Refused("prompt_logprobs is not supported"),
     "min_tokens": Refused("min_tokens is not supported", _is(0)),
     "use_beam_search": Refused("beam search is not supported", _is(False)),

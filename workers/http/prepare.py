@@ -4,12 +4,14 @@ before the engine sees the request."""
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
 
 from jinja2 import TemplateError
 
+from disagg.workers.engine.grammar import GrammarKind, build_grammar
 from disagg.workers.engine.sampling_params import SamplingParams
 from disagg.workers.engine.tokenizer import Tokenizer
 from disagg.workers.http.backend import ModelInfo
@@ -97,6 +99,50 @@ def _message_text(index: int, message: ChatMessage) -> str:
     return "".join(texts)
 
 
+def guided_grammar(req: SamplingFields) -> str | None:
+    """The request's structured-output constraint as grammar text (compiled and
+    checked here, in prepare's thread, off the event loop); None if it has none."""
+    given: list[tuple[str, GrammarKind, Any]] = []
+    fmt = req.response_format
+    if fmt is not None:
+        kind = fmt.get("type")
+        if kind == "json_object":
+            given.append(("response_format", GrammarKind.JSON_OBJECT, None))
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise BadRequest("response_format.json_schema must be an object with a `schema` object", "response_format")
+            # No schema: any JSON value is allowed, as OpenAI's non-strict mode reads it.
+            given.append(("response_format", GrammarKind.JSON_SCHEMA, spec.get("schema", {})))
+        elif kind != "text":
+            raise BadRequest(f"response_format.type must be text, json_object or json_schema, got {kind!r}",
+                             "response_format")
+    guided_json = req.guided_json
+    if isinstance(guided_json, str):
+        try:
+            guided_json = json.loads(guided_json)
+        except ValueError as exc:
+            raise BadRequest(f"guided_json is not JSON: {exc}", "guided_json") from None
+    for name, kind_, value in (("guided_json", GrammarKind.JSON_SCHEMA, guided_json),
+                               ("guided_regex", GrammarKind.REGEX, req.guided_regex),
+                               ("guided_choice", GrammarKind.CHOICE, req.guided_choice),
+                               ("guided_grammar", GrammarKind.LARK, req.guided_grammar)):
+        if value is not None:
+            given.append((name, kind_, value))
+    if not given:
+        return None
+    if len(given) > 1:
+        raise BadRequest(f"only one structured-output constraint per request, got {', '.join(g[0] for g in given)}",
+                         given[1][0])
+    field, kind_, value = given[0]
+    if req.ignore_eos:
+        raise BadRequest(f"{field} cannot be combined with ignore_eos: the output ends where the grammar does", field)
+    try:
+        return build_grammar(kind_, value)
+    except ValueError as exc:
+        raise BadRequest(f"{field}: {exc}", field) from None
+
+
 def _check_token_ids(ids: list[int] | tuple[int, ...], model: ModelInfo, field: str = "prompt") -> None:
     bad = [i for i in ids if not 0 <= i < model.vocab_size]
     if bad:
@@ -152,6 +198,7 @@ def _sampling_params(
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
+            grammar=guided_grammar(req),
             **{k: v for k, v in optional.items() if v is not None},
         )
     except ValueError as exc:

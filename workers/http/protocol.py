@@ -78,6 +78,12 @@ class SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     return_token_ids: bool = False
     user: str | None = None
+    # Structured outputs: OpenAI's response_format, vLLM's guided_* (prepare.guided_grammar).
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(SamplingFields):

@@ -64,7 +64,9 @@ def request_from_proto(msg: pb.DisaggRequest) -> NewRequest:
 # AddNewRequests: JSON {req_id: {field: value}}, only for requests that set one.
 # A decode that does not read it (xLLM's) samples without them.
 SAMPLING_EXTRAS_KEY = "x-disagg-sampling-extras"
-_EXTRA_DEFAULTS = {"seed": None, "min_p": 0.0}
+# Our extension of xLLM's request (an xLLM peer ignores metadata): sampling fields
+# its protobuf lacks, the structured-output grammar among them (docs/openai-api.md).
+_EXTRA_DEFAULTS = {"seed": None, "min_p": 0.0, "grammar": None}
 
 
 def sampling_extras_metadata(reqs: Sequence[NewRequest]) -> tuple[tuple[str, str], ...]:
@@ -93,11 +95,13 @@ def with_sampling_extras(reqs: list[NewRequest], metadata: Iterable[tuple[str, s
         fields = extras.get(r.req_id, {})
         if not isinstance(fields, dict) or not set(fields) <= set(_EXTRA_DEFAULTS):
             raise ValueError(f"{SAMPLING_EXTRAS_KEY} of {r.req_id}: fields must be among {sorted(_EXTRA_DEFAULTS)}")
-        seed, min_p = fields.get("seed"), fields.get("min_p", 0.0)
+        seed, min_p, grammar = fields.get("seed"), fields.get("min_p", 0.0), fields.get("grammar")
         if not (seed is None or type(seed) is int) or type(min_p) not in (int, float):
             raise ValueError(f"{SAMPLING_EXTRAS_KEY} of {r.req_id}: seed must be an integer, min_p a number")
+        if not (grammar is None or isinstance(grammar, str)):
+            raise ValueError(f"{SAMPLING_EXTRAS_KEY} of {r.req_id}: grammar must be a string")
         try:
-            params = dataclasses.replace(r.params, seed=seed, min_p=float(min_p))
+            params = dataclasses.replace(r.params, seed=seed, min_p=float(min_p), grammar=grammar)
         except ValueError as exc:
             raise ValueError(f"{SAMPLING_EXTRAS_KEY} of {r.req_id}: {exc}") from None
         out.append(dataclasses.replace(r, params=params))
