@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 Matcher = llguidance.LLMatcher
 GRAMMAR_CACHE_SIZE = 64
 # Compact JSON: no free whitespace, so a model cannot pad its output with blanks forever.
-_JSON_OPTIONS: llguidance.JsonCompileOptions = {"whitespace_flexible": False}
+_JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
 
 
 class GrammarKind(str, Enum):
@@ -43,9 +43,9 @@ def build_grammar(kind: GrammarKind, value: Any) -> str:
     if kind is GrammarKind.JSON_SCHEMA:
         if not isinstance(value, dict):
             raise ValueError("the JSON schema must be an object")
-        grammar = Matcher.grammar_from_json_schema(value, defaults=_JSON_OPTIONS)
+        grammar = Matcher.grammar_from_json_schema(value, defaults=_JSON_OPTIONS)  # type: ignore[arg-type]
     elif kind is GrammarKind.JSON_OBJECT:
-        grammar = Matcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
+        grammar = Matcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)  # type: ignore[arg-type]
     elif kind is GrammarKind.REGEX:
         if not isinstance(value, str) or not value:
             raise ValueError("the regex must be a non-empty string")
@@ -88,7 +88,7 @@ class Grammars:
         compiled = self._compiled.get(grammar)
         if compiled is None:
             if self._ll_tokenizer is None:
-                self._ll_tokenizer = llguidance.hf.from_tokenizer(self._tokenizer.hf, n_vocab=self.vocab_size)
+                self._ll_tokenizer = llguidance.hf.from_tokenizer(self._tokenizer.hf, n_vocab=self.vocab_size)  # type: ignore[arg-type]
             compiled = Matcher(self._ll_tokenizer, grammar, log_level=0)
             if compiled.is_error():
                 raise ValueError(f"the grammar does not compile: {compiled.get_error()}")

@@ -192,7 +192,8 @@ def gather_logprobs(
         if n is None:
             out.append(None)
             continue
-        top = tuple(zip(top_i[row][:n], top_v[row][:n])) if n else ()
+        # A grammar's mask leaves fewer than n possible tokens: the impossible ones are no alternatives.
+        top = tuple((t, v) for t, v in zip(top_i[row][:n], top_v[row][:n]) if v > float("-inf")) if n else ()
         out.append(TokenLogprob(token_list[row], chosen[row], top))
     return out
 
