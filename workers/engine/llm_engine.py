@@ -29,6 +29,7 @@ from disagg.workers.engine.model_runner import ModelRunner, SampledToken
 from disagg.workers.engine.models.packing import packing_available
 from disagg.workers.engine.outputs import FinishReason, RequestOutput, TokenLogprob
 from disagg.workers.engine.request import Request, RequestStatus
+from disagg.workers.engine.grammar import Grammars
 from disagg.workers.engine.sampler import skip_draw
 from disagg.workers.engine.sampling_params import SamplingParams
 from disagg.workers.engine.scheduler import Scheduler, SchedulerOutput
@@ -86,6 +87,7 @@ class LLMEngine:
         self.stop_checker = StopChecker(frozenset(eos), self.max_model_len)
         self.layer_hook: LayerHook | None = None
         self._finished_between_steps: list[Request] = []  # reported by the next step
+        self.grammars = Grammars(tokenizer, loaded.config.vocab_size) if tokenizer else None
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -116,6 +118,8 @@ class LLMEngine:
             raise ValueError("stop strings need a tokenizer; this engine has none")
         if any(not s for s in params.stop):
             raise ValueError("stop strings must not be empty")
+        if params.grammar is not None and self.tokenizer is None:
+            raise ValueError("constrained decoding needs a tokenizer; this engine has none")
 
     def new_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     hold_after_first_token: bool = False) -> Request:
@@ -125,8 +129,15 @@ class LLMEngine:
         detokenizer = None
         if self.tokenizer is not None:
             detokenizer = self.tokenizer.detokenizer(prompt_token_ids, params.skip_special_tokens)
+        constraint = None
+        if params.grammar is not None and self.grammars is not None:
+            constraint = self.grammars.constraint(params.grammar)
+            # A migrated stream's prompt ends with the tokens it already made: the grammar has seen them.
+            for token_id in prompt_token_ids[len(prompt_token_ids) - params.draws_made:]:
+                constraint.advance(token_id)
         request = Request(request_id, prompt_token_ids, params, self.config.block_size, detokenizer,
-                          device=self.model_runner.device, hold_after_first_token=hold_after_first_token)
+                          device=self.model_runner.device, hold_after_first_token=hold_after_first_token,
+                          constraint=constraint)
         if request.generator is not None and not params.is_greedy:
             for _ in range(params.draws_made):  # drawn where the sequence began (a migrated stream)
                 skip_draw(request.generator, self.model_config.vocab_size)

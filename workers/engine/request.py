@@ -12,6 +12,7 @@ import torch
 from disagg.workers.engine.outputs import FinishReason, TokenLogprob
 
 if TYPE_CHECKING:
+    from disagg.workers.engine.grammar import Constraint
     from disagg.workers.engine.sampling_params import SamplingParams
 
 # Arrival order across all requests: the scheduler's fairness key.
@@ -81,6 +82,7 @@ class Request:
         detokenizer: Detokenizer | None = None,
         device: torch.device | str = "cpu",
         hold_after_first_token: bool = False,
+        constraint: Constraint | None = None,
     ) -> None:
         assert prompt_token_ids, "a request needs at least one prompt token"
         self.request_id = request_id
@@ -115,6 +117,8 @@ class Request:
         self.num_sent_chars = 0
         self.num_sent_tokens = 0
         self.pending_logprobs: list[TokenLogprob] = []
+        # Structured outputs: the grammar state, advanced by every appended token.
+        self.constraint = constraint
 
     def __repr__(self) -> str:
         return (
@@ -160,6 +164,8 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+        if self.constraint is not None:
+            self.constraint.advance(token_id)
 
     # --- state --------------------------------------------------------------
 

@@ -4,7 +4,8 @@ batched tensor ops.
 Order, as in Hugging Face `generate`: penalties on the raw logits, then
 temperature, top-k, top-p and min-p, then a draw. Greedy rows take the
 argmax of the penalized logits. Reported logprobs are those of the raw
-model distribution (what OpenAI's `logprobs` means).
+model distribution (what OpenAI's `logprobs` means), after the grammar's mask
+on a constrained row (structured outputs, as vLLM reports them).
 
 The draw is `argmax(probs / q)` with `q ~ Exp(1)`, which picks token i with
 probability probs[i]; a seeded request fills its row of `q` from its own
@@ -40,6 +41,7 @@ class SamplingMetadata:
     generators: list[torch.Generator | None]  # [N]
     num_logprobs: list[int | None]  # [N], alternatives each row reports
     all_greedy: bool
+    allowed: torch.Tensor | None = None  # [N, V] bool, the grammar's tokens; None: no row constrained
 
     @classmethod
     def from_requests(cls, requests: Sequence[Request], vocab_size: int, device: torch.device) -> SamplingMetadata:
@@ -73,6 +75,7 @@ class SamplingMetadata:
             generators=[r.generator for r in requests],
             num_logprobs=[p.logprobs for p in params],
             all_greedy=all_greedy,
+            allowed=_allowed_tokens(requests, vocab_size, device),
         )
 
 
@@ -90,6 +93,10 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """logits: [N, V] float32, one row per sampling sequence."""
         assert logits.dim() == 2 and logits.dtype == torch.float32, "logits must be float32 [N, V]"
+        if meta.allowed is not None:
+            # Before everything, logprobs included (as vLLM): a constrained row's
+            # distribution is the model's over the tokens the grammar allows.
+            logits = logits.masked_fill(~meta.allowed, float("-inf"))
         raw_logprobs = None
         if any(k is not None for k in meta.num_logprobs):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
@@ -185,9 +192,22 @@ def gather_logprobs(
         if n is None:
             out.append(None)
             continue
-        top = tuple(zip(top_i[row][:n], top_v[row][:n])) if n else ()
+        # A grammar's mask leaves fewer than n possible tokens: the impossible ones are no alternatives.
+        top = tuple((t, v) for t, v in zip(top_i[row][:n], top_v[row][:n]) if v > float("-inf")) if n else ()
         out.append(TokenLogprob(token_list[row], chosen[row], top))
     return out
+
+
+def _allowed_tokens(requests: Sequence[Request], vocab_size: int, device: torch.device) -> torch.Tensor | None:
+    """[N, V] bool: every token on unconstrained rows, the grammar's on the others;
+    None when no row is constrained (such a batch pays nothing)."""
+    rows = [(i, r.constraint) for i, r in enumerate(requests) if r.constraint is not None]
+    if not rows:
+        return None
+    allowed = torch.ones(len(requests), vocab_size, dtype=torch.bool)
+    for i, constraint in rows:
+        allowed[i] = constraint.allowed()
+    return allowed.to(device)
 
 
 def _token_counts(token_lists: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:

@@ -37,8 +37,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k: the sampled token's logprob and k alternatives
     skip_special_tokens: bool = True
-    # Tokens of this sequence already drawn elsewhere (a migrated stream continues after them):
-    # a seeded request's generator starts past their draws, so the continuation is exact.
+    grammar: str | None = None  # llguidance's grammar text (engine/grammar.py): constrained decoding
+    # Tokens of this sequence already made elsewhere (a migrated stream continues after them, and
+    # they end its prompt): a seeded generator starts past their draws and a grammar after them,
+    # so the continuation is exact.
     draws_made: int = 0
 
     def __post_init__(self) -> None:

@@ -4,16 +4,19 @@ before the engine sees the request."""
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
 
 from jinja2 import TemplateError
 
+from disagg.workers.engine.grammar import GrammarKind, build_grammar
 from disagg.workers.engine.sampling_params import SamplingParams
 from disagg.workers.engine.tokenizer import Tokenizer
 from disagg.workers.http.backend import ModelInfo
 from disagg.workers.http.errors import BadRequest, ModelNotFound
+from disagg.workers.http.fields import check_extra_fields, check_message_fields
 from disagg.workers.http.protocol import CHAT_ROLES, ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
 
 
@@ -30,6 +33,7 @@ def check_model(requested: str, model: ModelInfo) -> None:
 
 def prepare_completion(req: CompletionRequest, model: ModelInfo, tokenizer: Tokenizer) -> Prepared:
     check_model(req.model, model)
+    check_extra_fields(req)
     if req.echo:
         raise BadRequest("echo is not supported", "echo")
     prompt = req.prompt
@@ -51,9 +55,10 @@ def prepare_completion(req: CompletionRequest, model: ModelInfo, tokenizer: Toke
 
 def prepare_chat(req: ChatCompletionRequest, model: ModelInfo, tokenizer: Tokenizer) -> Prepared:
     check_model(req.model, model)
+    check_extra_fields(req)
     if not req.messages:
         raise BadRequest("messages must not be empty", "messages")
-    messages = [{"role": m.role, "content": _message_text(m)} for m in req.messages]
+    messages = [_message(i, m) for i, m in enumerate(req.messages)]
     try:
         ids = tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt)
     except TemplateError as exc:
@@ -67,7 +72,16 @@ def prepare_chat(req: ChatCompletionRequest, model: ModelInfo, tokenizer: Tokeni
     return Prepared(ids, _sampling_params(req, max_tokens, logprobs, ids, model))
 
 
-def _message_text(message: ChatMessage) -> str:
+def _message(index: int, message: ChatMessage) -> dict[str, str]:
+    """The message as the chat template sees it; `name` goes along for templates that use it."""
+    rendered = {"role": message.role, "content": _message_text(index, message)}
+    if message.name is not None:
+        rendered["name"] = message.name
+    return rendered
+
+
+def _message_text(index: int, message: ChatMessage) -> str:
+    check_message_fields(index, message.model_extra)
     if message.role not in CHAT_ROLES:
         raise BadRequest(f"unknown message role {message.role!r}: expected one of {', '.join(CHAT_ROLES)}", "messages")
     if message.tool_calls:
@@ -83,6 +97,50 @@ def _message_text(message: ChatMessage) -> str:
             raise BadRequest(f"only text content parts are supported, got {part.get('type')!r}", "messages")
         texts.append(part["text"])
     return "".join(texts)
+
+
+def guided_grammar(req: SamplingFields) -> str | None:
+    """The request's structured-output constraint as grammar text (compiled and
+    checked here, in prepare's thread, off the event loop); None if it has none."""
+    given: list[tuple[str, GrammarKind, Any]] = []
+    fmt = req.response_format
+    if fmt is not None:
+        kind = fmt.get("type")
+        if kind == "json_object":
+            given.append(("response_format", GrammarKind.JSON_OBJECT, None))
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise BadRequest("response_format.json_schema must be an object with a `schema` object", "response_format")
+            # No schema: any JSON value is allowed, as OpenAI's non-strict mode reads it.
+            given.append(("response_format", GrammarKind.JSON_SCHEMA, spec.get("schema", {})))
+        elif kind != "text":
+            raise BadRequest(f"response_format.type must be text, json_object or json_schema, got {kind!r}",
+                             "response_format")
+    guided_json = req.guided_json
+    if isinstance(guided_json, str):
+        try:
+            guided_json = json.loads(guided_json)
+        except ValueError as exc:
+            raise BadRequest(f"guided_json is not JSON: {exc}", "guided_json") from None
+    for name, kind_, value in (("guided_json", GrammarKind.JSON_SCHEMA, guided_json),
+                               ("guided_regex", GrammarKind.REGEX, req.guided_regex),
+                               ("guided_choice", GrammarKind.CHOICE, req.guided_choice),
+                               ("guided_grammar", GrammarKind.LARK, req.guided_grammar)):
+        if value is not None:
+            given.append((name, kind_, value))
+    if not given:
+        return None
+    if len(given) > 1:
+        raise BadRequest(f"only one structured-output constraint per request, got {', '.join(g[0] for g in given)}",
+                         given[1][0])
+    field, kind_, value = given[0]
+    if req.ignore_eos:
+        raise BadRequest(f"{field} cannot be combined with ignore_eos: the output ends where the grammar does", field)
+    try:
+        return build_grammar(kind_, value)
+    except ValueError as exc:
+        raise BadRequest(f"{field}: {exc}", field) from None
 
 
 def _check_token_ids(ids: list[int] | tuple[int, ...], model: ModelInfo, field: str = "prompt") -> None:
@@ -140,6 +198,7 @@ def _sampling_params(
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
+            grammar=guided_grammar(req),
             **{k: v for k, v in optional.items() if v is not None},
         )
     except ValueError as exc:

@@ -1,10 +1,11 @@
 """Request and response bodies of the OpenAI-compatible API.
 
 Requests accept OpenAI's fields plus the usual server extensions (`top_k`,
-`min_p`, `repetition_penalty`, `ignore_eos`, `return_token_ids`, ...); fields
-a client sends that the server does not know are ignored, as OpenAI's
-clients add new ones over time. Range checks of sampling fields live in
-`SamplingParams`, so both edges (HTTP and gRPC) share them.
+`min_p`, `repetition_penalty`, `ignore_eos`, `return_token_ids`, ...). Nothing
+a client sends is silently ignored: a field that is not declared here is kept
+(`model_extra`) and judged by `prepare.check_extra_fields` against the lists in
+`fields.py` (accepted as harmless, or refused by name). Range checks of
+sampling fields live in `SamplingParams`, so both edges (HTTP and gRPC) share them.
 """
 
 from __future__ import annotations
@@ -42,7 +43,10 @@ class ErrorResponse(BaseModel):
 
 
 # Strict: JSON's types as written, so `true` is not a token id and "yes" not a bool.
-_REQUEST = ConfigDict(extra="ignore", strict=True)
+# The top-level bodies keep unknown fields to refuse or accept them by name;
+# nested objects refuse them outright (pydantic names the field).
+_REQUEST = ConfigDict(extra="forbid", strict=True)
+_BODY = ConfigDict(extra="allow", strict=True)
 
 
 class StreamOptions(BaseModel):
@@ -54,7 +58,7 @@ class StreamOptions(BaseModel):
 class SamplingFields(BaseModel):
     """Fields both endpoints share."""
 
-    model_config = _REQUEST
+    model_config = _BODY
 
     model: str
     n: int = 1
@@ -74,6 +78,12 @@ class SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     return_token_ids: bool = False
     user: str | None = None
+    # Structured outputs: OpenAI's response_format, vLLM's guided_* (prepare.guided_grammar).
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -88,7 +98,7 @@ CHAT_ROLES = ("system", "developer", "user", "assistant")
 
 
 class ChatMessage(BaseModel):
-    model_config = _REQUEST
+    model_config = _BODY  # a replayed response message carries null `refusal`, `audio`, ...
 
     role: str
     # OpenAI's content parts: only {"type": "text", "text": ...} carry meaning here.

@@ -64,7 +64,10 @@ def request_from_proto(msg: pb.DisaggRequest) -> NewRequest:
 # AddNewRequests: JSON {req_id: {field: value}}, only for requests that set one.
 # A decode that does not read it (xLLM's) samples without them.
 SAMPLING_EXTRAS_KEY = "x-disagg-sampling-extras"
-_EXTRA_DEFAULTS: dict[str, object] = {"seed": None, "min_p": 0.0, "draws_made": 0}
+# Our extension of xLLM's request (an xLLM peer ignores metadata): sampling fields
+# its protobuf lacks, the structured-output grammar among them (docs/openai-api.md),
+# and the tokens a migrated stream already made (docs/pd-wire.md).
+_EXTRA_DEFAULTS: dict[str, object] = {"seed": None, "min_p": 0.0, "grammar": None, "draws_made": 0}
 
 
 def sampling_extras_metadata(reqs: Sequence[NewRequest]) -> tuple[tuple[str, str], ...]:
@@ -93,12 +96,15 @@ def with_sampling_extras(reqs: list[NewRequest], metadata: Iterable[tuple[str, s
         fields = extras.get(r.req_id, {})
         if not isinstance(fields, dict) or not set(fields) <= set(_EXTRA_DEFAULTS):
             raise ValueError(f"{SAMPLING_EXTRAS_KEY} of {r.req_id}: fields must be among {sorted(_EXTRA_DEFAULTS)}")
-        seed, min_p, draws = fields.get("seed"), fields.get("min_p", 0.0), fields.get("draws_made", 0)
+        seed, min_p, grammar = fields.get("seed"), fields.get("min_p", 0.0), fields.get("grammar")
+        draws = fields.get("draws_made", 0)
         if not (seed is None or type(seed) is int) or type(min_p) not in (int, float) or type(draws) is not int:
             raise ValueError(f"{SAMPLING_EXTRAS_KEY} of {r.req_id}: seed and draws_made must be integers, "
                              "min_p a number")
+        if not (grammar is None or isinstance(grammar, str)):
+            raise ValueError(f"{SAMPLING_EXTRAS_KEY} of {r.req_id}: grammar must be a string")
         try:
-            params = dataclasses.replace(r.params, seed=seed, min_p=float(min_p), draws_made=draws)
+            params = dataclasses.replace(r.params, seed=seed, min_p=float(min_p), grammar=grammar, draws_made=draws)
         except ValueError as exc:
             raise ValueError(f"{SAMPLING_EXTRAS_KEY} of {r.req_id}: {exc}") from None
         out.append(dataclasses.replace(r, params=params))

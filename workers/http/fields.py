@@ -1,0 +1,113 @@
+"""What the server does with request fields it does not implement: nothing is
+silently ignored (issue 16). A field that `protocol.py` does not declare is
+either accepted as harmless (it asks for nothing that changes the output), or
+refused with a 400 that names it, unless its value asks for nothing (null, or
+the value that means "off"). Any other name is refused as unrecognised, as
+OpenAI's own API does. docs/openai-api.md lists the same tables for clients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from disagg.workers.http.errors import BadRequest
+from disagg.workers.http.protocol import SamplingFields
+
+# Fields that change nothing about what is generated: bookkeeping, billing,
+# routing hints of OpenAI's platform, or options of features that are absent.
+HARMLESS: dict[str, str] = {
+    "metadata": "stored-completion tags; nothing is stored",
+    "store": "OpenAI's stored completions; nothing is stored",
+    "service_tier": "OpenAI's billing tier",
+    "prompt_cache_key": "a cache-routing hint; the prefix cache works without it",
+    "safety_identifier": "an end-user id for OpenAI's abuse monitoring",
+    "parallel_tool_calls": "an option of tool calling, which is refused when asked for",
+    "request_id": "vLLM's client-chosen id; responses carry the server's id",
+}
+
+
+# Whether a field's value asks for nothing, given the request it came in.
+Noop = Callable[[Any, SamplingFields], bool]
+
+
+def _is(*values: Any) -> Noop:
+    """A value equal to one of `values` (with the same JSON type) asks for nothing."""
+    return lambda value, _req: any(type(value) is type(v) and value == v for v in (None, *values))
+
+
+def _best_of_noop(value: Any, req: SamplingFields) -> bool:
+    return value is None or (type(value) is int and value == req.n)
+
+
+@dataclass(frozen=True)
+class Refused:
+    reason: str
+    noop: Noop = _is()
+
+
+_TOOLS = "tool calling is not supported"
+
+REFUSED: dict[str, Refused] = {
+    # OpenAI
+    "tools": Refused(_TOOLS, _is([])),
+    "tool_choice": Refused(_TOOLS, _is("none")),
+    "functions": Refused(_TOOLS, _is([])),
+    "function_call": Refused(_TOOLS, _is("none")),
+    "logit_bias": Refused("logit_bias is not supported", _is({})),
+    "best_of": Refused("best_of other than n is not supported", _best_of_noop),
+    "suffix": Refused("suffix (insertion) is not supported", _is("")),
+    "audio": Refused("audio output is not supported"),
+    "modalities": Refused("only text output is supported", _is(["text"])),
+    "prediction": Refused("predicted outputs are not supported"),
+    "web_search_options": Refused("web search is not supported"),
+    "reasoning_effort": Refused("this model has no reasoning mode"),
+    "verbosity": Refused("this model has no verbosity control"),
+    # vLLM's extensions
+    "echo": Refused("echo is not supported", _is(False)),
+    "structural_tag": Refused("structural tags are not supported"),
+    "guided_decoding_backend": Refused("the structured-output backend is fixed (llguidance)"),
+    "guided_whitespace_pattern": Refused("JSON output is compact; its whitespace cannot be chosen"),
+    "prompt_logprobs": Refused("prompt_logprobs is not supported"),
+    "min_tokens": Refused("min_tokens is not supported", _is(0)),
+    "use_beam_search": Refused("beam search is not supported", _is(False)),
+    "length_penalty": Refused("length_penalty (beam search) is not supported", _is(1.0, 1)),
+    "include_stop_str_in_output": Refused("include_stop_str_in_output is not supported", _is(False)),
+    "spaces_between_special_tokens": Refused("spaces_between_special_tokens is not supported", _is(True)),
+    "truncate_prompt_tokens": Refused("truncate_prompt_tokens is not supported"),
+    "allowed_token_ids": Refused("allowed_token_ids is not supported"),
+    "bad_words": Refused("bad_words is not supported", _is([])),
+    "continue_final_message": Refused("continue_final_message is not supported", _is(False)),
+    "add_special_tokens": Refused("add_special_tokens is not supported"),
+    "chat_template": Refused("a request's own chat_template is not supported"),
+    "chat_template_kwargs": Refused("chat_template_kwargs is not supported", _is({})),
+    "documents": Refused("documents (RAG templates) are not supported"),
+    "mm_processor_kwargs": Refused("multimodal input is not supported"),
+    "logits_processors": Refused("logits_processors is not supported"),
+    "return_tokens_as_token_ids": Refused("return_tokens_as_token_ids is not supported", _is(False)),
+    "priority": Refused("request priority is not supported", _is(0)),
+    "kv_transfer_params": Refused("kv_transfer_params is vLLM's connector API, not this server's"),
+    "vllm_xargs": Refused("vllm_xargs is not supported"),
+    "cache_salt": Refused("cache_salt is not supported"),
+}
+
+
+def check_extra_fields(req: SamplingFields) -> None:
+    """Refuse (400, naming it) each undeclared field that asks for something not done."""
+    for name, value in (req.model_extra or {}).items():
+        if name in HARMLESS:
+            continue
+        refused = REFUSED.get(name)
+        if refused is None:
+            raise BadRequest(f"unrecognized request argument supplied: {name}", name)
+        if not refused.noop(value, req):
+            raise BadRequest(f"{name}: {refused.reason}", name)
+
+
+def check_message_fields(index: int, extra: Mapping[str, Any] | None) -> None:
+    """A chat message's undeclared fields: null ones (a replayed response's
+    `refusal`, `audio`, ...) ask for nothing; any other value is refused."""
+    for name, value in (extra or {}).items():
+        if value is not None:
+            raise BadRequest(f"messages[{index}].{name} is not supported", "messages")
