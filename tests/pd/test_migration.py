@@ -5,14 +5,17 @@ greedy and seeded, with every block free afterwards."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+import jsonschema
 import pytest
 
 from disagg.proto import disagg_pd_pb2_grpc
 from disagg.workers.config import Role
+from disagg.workers.engine.grammar import GrammarKind, build_grammar
 from disagg.workers.engine.sampling_params import SamplingParams
 from disagg.workers.pd.config import PDConfig
 from disagg.workers.pd.errors import DecodeFailed
@@ -52,13 +55,13 @@ def migrations(pair: Any, reason: str) -> float:
     return 0.0 if value is None else float(value)
 
 
-async def stream_with_a_fault(pair: Any, params: SamplingParams, fault: str) -> list[int]:
-    """Stream one request; after some tokens, fail its decode as `fault` says; all tokens."""
+async def stream_with_a_fault(pair: Any, params: SamplingParams, fault: str, after: int = 10) -> list[int]:
+    """Stream one request; after `after` tokens, fail its decode as `fault` says; all tokens."""
     tokens: list[int] = []
     hit = False
     async for out in pair.prefill.role.generate("r", PROMPT, params):
         tokens += out.new_token_ids
-        if not hit and len(tokens) >= 10:
+        if not hit and len(tokens) >= after:
             hit = True
             [name] = [n for n, (d, _) in pair.decodes.items() if d.role.stats().requests_running]
             decode, stub = pair.decodes[name]
@@ -94,3 +97,18 @@ async def test_migration_is_bounded(pd_pair: Callable[..., Any], kit: Any, tiny_
             await stream_with_a_fault(pair, GREEDY, "unlink")
         assert migrations(pair, "lost") == 0
 
+
+
+async def test_a_constrained_stream_moves_with_its_grammar_state(
+        pd_pair: Callable[..., Any], kit: Any, tiny_model_dir: Any, reference_tokens: Callable[..., list[int]]) -> None:
+    schema = {"type": "object", "properties": {"name": {"type": "string", "pattern": "^[a-z]{4,8}$"},
+                                               "tags": {"type": "array", "items": {"enum": ["ab", "cd"]},
+                                                        "minItems": 3, "maxItems": 4}},
+              "required": ["name", "tags"], "additionalProperties": False}
+    params = SamplingParams(max_tokens=120, temperature=1.0, seed=3, grammar=build_grammar(GrammarKind.JSON_SCHEMA,
+                                                                                          schema))
+    async with trio(pd_pair, kit, tiny_model_dir) as pair:
+        tokens = await stream_with_a_fault(pair, params, "unlink", after=4)
+        assert tokens == reference_tokens(PROMPT, params)
+        assert migrations(pair, "lost") == 1
+        jsonschema.validate(json.loads(pair.prefill.role.tokenizer.decode(tokens)), schema)
