@@ -229,7 +229,7 @@ class Stream:
 
 @pytest.fixture
 def long_stream(processes: Any) -> Iterator[Any]:
-    pool = concurrent.futures.ThreadPoolExecutor(2)
+    pool = concurrent.futures.ThreadPoolExecutor(4)
 
     def start(prefill: WorkerProcess) -> Stream:
         tokens: list[int] = []
@@ -293,12 +293,13 @@ def test_a_killed_decodes_stream_moves_to_another_decode(cluster: Cluster, proce
     try:
         start = free_blocks(prefill)
         moved = prefill.metric("disagg_request_migrations_total", reason="lost")
-        stream = long_stream(prefill)
+        streams = [long_stream(prefill) for _ in range(3)]  # concurrent streams, all on the victim
         victim.kill()
         for d in cluster.decodes:  # room to move to
             httpx.delete(f"{d.admin_url}/drain", timeout=10.0)
-        _moves_on(stream, cluster)
-        assert prefill.metric("disagg_request_migrations_total", reason="lost") == moved + 1
+        for stream in streams:
+            _moves_on(stream, cluster)
+        assert prefill.metric("disagg_request_migrations_total", reason="lost") == moved + 3
         processes.wait_until(lambda: free_blocks(prefill) == start, "the prefill's blocks are free")
     finally:
         for d in cluster.decodes:
@@ -338,13 +339,14 @@ def test_a_hung_decode_is_routed_around_and_its_streams_move_on(cluster: Cluster
     try:
         start = free_blocks(prefill)
         moved = prefill.metric("disagg_request_migrations_total", reason="hung")
-        stream = long_stream(prefill)
+        streams = [long_stream(prefill) for _ in range(3)]  # concurrent streams, all on the victim
         victim.process.send_signal(signal.SIGSTOP)
         try:
             for d in cluster.decodes:
                 httpx.delete(f"{d.admin_url}/drain", timeout=10.0)
-            _moves_on(stream, cluster)
-            assert prefill.metric("disagg_request_migrations_total", reason="hung") == moved + 1
+            for stream in streams:
+                _moves_on(stream, cluster)
+            assert prefill.metric("disagg_request_migrations_total", reason="hung") == moved + 3
             assert prefill.metric("disagg_peers_unhealthy") == 1 and prefill.metric("disagg_links") == 3
             # New requests go around it at once (not after an AddNewRequests deadline on the hung one).
             assert complete(prefill, prompt_of(9)) == complete(cluster.mixed, prompt_of(9))
