@@ -277,6 +277,12 @@ def test_unlink_during_a_request_fails_it_and_frees_its_blocks(cluster: Cluster,
     assert complete(prefill, prompt_of(6)) == complete(cluster.mixed, prompt_of(6)), "survivors serve"
 
 
+def _drain(decodes: list[WorkerProcess], on: bool) -> None:
+    """Start (or end) draining these decodes: they take no new requests while draining."""
+    for d in decodes:
+        httpx.request("POST" if on else "DELETE", f"{d.admin_url}/drain", timeout=10.0)
+
+
 def _moves_on(stream: Stream, cluster: Cluster) -> None:
     """The stream survived its decode: it ends normally with the tokens of an undisturbed run."""
     stream.future.result(timeout=FAULT_BOUND_S)
@@ -288,22 +294,19 @@ def test_a_killed_decodes_stream_moves_to_another_decode(cluster: Cluster, proce
     prefill = cluster.push
     [victim] = processes.start(("decode",))
     assert link(victim, prefill) is None
-    for d in cluster.decodes:  # only the victim takes new requests
-        httpx.post(f"{d.admin_url}/drain", timeout=10.0)
+    _drain(cluster.decodes, True)  # only the victim takes new requests
     try:
         start = free_blocks(prefill)
         moved = prefill.metric("disagg_request_migrations_total", reason="lost")
         streams = [long_stream(prefill) for _ in range(3)]  # concurrent streams, all on the victim
         victim.kill()
-        for d in cluster.decodes:  # room to move to
-            httpx.delete(f"{d.admin_url}/drain", timeout=10.0)
+        _drain(cluster.decodes, False)  # room to move to
         for stream in streams:
             _moves_on(stream, cluster)
         assert prefill.metric("disagg_request_migrations_total", reason="lost") == moved + 3
         processes.wait_until(lambda: free_blocks(prefill) == start, "the prefill's blocks are free")
     finally:
-        for d in cluster.decodes:
-            httpx.delete(f"{d.admin_url}/drain", timeout=10.0)
+        _drain(cluster.decodes, False)
     assert complete(prefill, prompt_of(7)) == complete(cluster.mixed, prompt_of(7)), "survivors serve"
 
 
@@ -334,16 +337,14 @@ def test_a_hung_decode_is_routed_around_and_its_streams_move_on(cluster: Cluster
     prefill = cluster.pull
     [victim] = processes.start(("decode",))
     assert link(victim, prefill) is None
-    for d in cluster.decodes:  # only the victim takes new requests
-        httpx.post(f"{d.admin_url}/drain", timeout=10.0)
+    _drain(cluster.decodes, True)  # only the victim takes new requests
     try:
         start = free_blocks(prefill)
         moved = prefill.metric("disagg_request_migrations_total", reason="hung")
         streams = [long_stream(prefill) for _ in range(3)]  # concurrent streams, all on the victim
         victim.process.send_signal(signal.SIGSTOP)
         try:
-            for d in cluster.decodes:
-                httpx.delete(f"{d.admin_url}/drain", timeout=10.0)
+            _drain(cluster.decodes, False)
             for stream in streams:
                 _moves_on(stream, cluster)
             assert prefill.metric("disagg_request_migrations_total", reason="hung") == moved + 3
@@ -358,8 +359,7 @@ def test_a_hung_decode_is_routed_around_and_its_streams_move_on(cluster: Cluster
         assert prefill.metric("disagg_links") == 3
         processes.wait_until(lambda: victim.metric("disagg_requests_running") == 0, "the victim dropped the stream")
     finally:
-        for d in cluster.decodes:
-            httpx.delete(f"{d.admin_url}/drain", timeout=10.0)
+        _drain(cluster.decodes, False)
         assert not unlink(victim, prefill)
         victim.kill()
 

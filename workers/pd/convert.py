@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from disagg.proto import disagg_pd_pb2 as pb
 from disagg.proto.vocabulary import cluster_id, rank0_transfer_address
@@ -80,17 +81,25 @@ def sampling_extras_metadata(reqs: Sequence[NewRequest]) -> tuple[tuple[str, str
     return ((SAMPLING_EXTRAS_KEY, json.dumps(extras)),) if extras else ()
 
 
+def _per_request(metadata: Iterable[tuple[str, str | bytes]], key: str, what: str) -> dict[str, Any] | None:
+    """The JSON object `{req_id: ...}` under `key` in `metadata`; None when absent; ValueError when malformed."""
+    raw = next((value for k, value in metadata if k == key), None)
+    if raw is None:
+        return None
+    try:
+        found = json.loads(raw)
+    except ValueError as exc:
+        raise ValueError(f"{key} is not JSON: {exc}") from None
+    if not isinstance(found, dict):
+        raise ValueError(f"{key} must map request ids to {what}")
+    return found
+
+
 def with_sampling_extras(reqs: list[NewRequest], metadata: Iterable[tuple[str, str | bytes]]) -> list[NewRequest]:
     """`reqs` with the extras of `sampling_extras_metadata` applied; ValueError for a malformed entry."""
-    raw = next((value for key, value in metadata if key == SAMPLING_EXTRAS_KEY), None)
-    if raw is None:
+    extras = _per_request(metadata, SAMPLING_EXTRAS_KEY, "fields")
+    if extras is None:
         return reqs
-    try:
-        extras = json.loads(raw)
-    except ValueError as exc:
-        raise ValueError(f"{SAMPLING_EXTRAS_KEY} is not JSON: {exc}") from None
-    if not isinstance(extras, dict):
-        raise ValueError(f"{SAMPLING_EXTRAS_KEY} must map request ids to fields")
     out = []
     for r in reqs:
         fields = extras.get(r.req_id, {})
@@ -230,15 +239,9 @@ def cached_blocks_metadata(reservations: Sequence[Reservation]) -> tuple[tuple[s
 def with_cached_blocks(reservations: list[Reservation],
                        metadata: Iterable[tuple[str, str | bytes]]) -> list[Reservation]:
     """`reservations` with the counts of `cached_blocks_metadata`; ValueError for a malformed or impossible one."""
-    raw = next((value for key, value in metadata if key == CACHED_BLOCKS_KEY), None)
-    if raw is None:
+    counts = _per_request(metadata, CACHED_BLOCKS_KEY, "block counts")
+    if counts is None:
         return reservations
-    try:
-        counts = json.loads(raw)
-    except ValueError as exc:
-        raise ValueError(f"{CACHED_BLOCKS_KEY} is not JSON: {exc}") from None
-    if not isinstance(counts, dict):
-        raise ValueError(f"{CACHED_BLOCKS_KEY} must map request ids to block counts")
     out = []
     for r in reservations:
         count = counts.get(r.req_id, 0)
