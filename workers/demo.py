@@ -9,11 +9,13 @@ The workers are always stopped at the end, on an error or a Ctrl-C too;
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from types import FrameType
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +33,45 @@ PROMPTS = (
     "Write one sentence about the sea.",
 )
 _STOP_GRACE_S = 15.0
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C in the demo, raised by its own SIGINT handler.
+
+    Not a plain KeyboardInterrupt because CPython 3.11 marks one that escapes an
+    `exec` of a string (dataclasses and namedtuples are made that way, by lazy
+    imports too) as unhandled, and then exits by SIGINT even after we caught it.
+    """
+
+
+class _CtrlC:
+    """The demo's SIGINT handler: raises Interrupted at once, or at the end of a
+    `deferred()` block, so a worker cannot be started and then lost to it (the
+    signal may reach any thread; only the handler itself can hold it back)."""
+
+    def __init__(self) -> None:
+        self._deferring = 0
+        self._pending = False
+
+    def __call__(self, _signum: int, _frame: FrameType | None) -> None:
+        if self._deferring:
+            self._pending = True
+            return
+        raise Interrupted()
+
+    @contextmanager
+    def deferred(self) -> Iterator[None]:
+        self._deferring += 1
+        try:
+            yield
+        finally:
+            self._deferring -= 1
+            if self._pending and not self._deferring:
+                self._pending = False
+                raise Interrupted()
+
+
+_CTRL_C = _CtrlC()
 
 
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
@@ -90,9 +131,10 @@ def running_pair(model: str, log_dir: Path, extra: list[str], startup_timeout_s:
     threads = default_threads(workers=2)
     try:
         for role in ("decode", "prefill"):
-            workers.append(spawn_worker(role, model, log_dir / f"{role}.log",
-                                        ["--kv-transfer-mode", mode, *extra], key_file=key_file,
-                                        threads=threads))
+            with _CTRL_C.deferred():
+                workers.append(spawn_worker(role, model, log_dir / f"{role}.log",
+                                            ["--kv-transfer-mode", mode, *extra], key_file=key_file,
+                                            threads=threads))
         decode, prefill = workers
         for w in workers:
             w.wait_loaded(startup_timeout_s)
@@ -128,6 +170,7 @@ def run_demo(args: argparse.Namespace) -> int:
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="disagg-demo-"))
     extra = ["--device", args.device, "--served-model-name", args.served_model_name, "--max-model-len", "1024"]
     print(f"disagg demo: {args.model}, one prefill and one decode on 127.0.0.1 (logs in {log_dir})", flush=True)
+    previous_handler = signal.signal(signal.SIGINT, _CTRL_C)
     try:
         print("preparing the model (converted once, then cached in ~/.cache/disagg)...", flush=True)
         _prepare_model(args.model)
@@ -146,6 +189,8 @@ def run_demo(args: argparse.Namespace) -> int:
     except (WorkerFailed, httpx.HTTPError, OSError) as exc:
         print(f"disagg demo failed: {exc}", file=sys.stderr)
         return 1
+    finally:
+        signal.signal(signal.SIGINT, previous_handler)
     return 0
 
 
