@@ -194,8 +194,10 @@ class OpenAIServing:
         parsers = {c.index: ToolCallParser(tools) for c in choices} if tools is not None else {}
         try:
             if call.kind == "chat":
+                # With tools the content may stay null (only calls), as OpenAI streams it.
+                content = "" if tools is None else None
                 for c in choices:
-                    yield _sse(self._chat_chunk(call, c, ChatDelta(role="assistant", content="")))
+                    yield _sse(self._chat_chunk(call, c, ChatDelta(role="assistant", content=content)))
             async with aclosing(self._outputs(call, choices, wait_disconnect)) as outputs:
                 async for choice, out in outputs:
                     if not (out.new_text or out.new_token_ids or out.finished):
@@ -226,7 +228,7 @@ class OpenAIServing:
             delta = ChatDelta(content=out.new_text)
             if parser is not None:
                 content, tool_calls = parser.feed(out.new_text, final=out.finished)
-                delta = ChatDelta(content=content if content or not tool_calls else None, tool_calls=tool_calls or None)
+                delta = ChatDelta(content=content or None, tool_calls=tool_calls or None)
                 finish = _finish_reason(finish, parser.calls)
             return self._chat_chunk(
                 call, choice, delta,

@@ -241,12 +241,11 @@ def _fallback(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
 
 
 def _preamble(tools: list[dict[str, Any]]) -> str:
-    listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-    return (f"You may call these functions (OpenAI tool specs, with JSON schemas of their arguments):\n"
-            f"<tools>\n{listed}\n</tools>\n"
-            "To call functions, answer with one block per call, each a JSON object of the function's name "
-            f"and its arguments:\n{format_call('<name>', {'<argument>': '<value>'})}\n"
-            f"Their results come back in {RESPONSE_OPEN}{RESPONSE_CLOSE} blocks.")
+    # Terse: the listing costs prompt tokens on every request that offers tools.
+    listed = "\n".join(json.dumps(t["function"], ensure_ascii=False, separators=_COMPACT) for t in tools)
+    return (f"Functions you may call:\n<tools>\n{listed}\n</tools>\n"
+            f"Call them with one block each:\n{format_call('<name>', {'<argument>': '<value>'})}\n"
+            f"Results come back in {RESPONSE_OPEN} blocks.")
 
 
 # --- the output -------------------------------------------------------------
