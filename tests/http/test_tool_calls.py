@@ -149,9 +149,11 @@ def test_auto_parses_calls_out_of_the_text(client: openai.OpenAI, served: Any) -
 def test_none_offers_no_tools_and_parses_nothing(client: openai.OpenAI, served: Any) -> None:
     plain = client.chat.completions.create(model=served.model, messages=MESSAGES, max_tokens=12, temperature=0)  # type: ignore[arg-type]
     r = _chat(client, served.model, tool_choice="none", max_tokens=12)
+    assert r.usage and plain.usage
     assert r.usage.prompt_tokens == plain.usage.prompt_tokens  # no tool preamble in the prompt
     assert r.choices[0].message.content == plain.choices[0].message.content and r.choices[0].message.tool_calls is None
     auto = _chat(client, served.model, max_tokens=12)
+    assert auto.usage
     assert auto.usage.prompt_tokens > plain.usage.prompt_tokens  # auto shows the model the tools
     r = _chat(client, served.model, tool_choice="none", extra_body={"guided_choice": [CALL]})
     assert r.choices[0].message.content == CALL and r.choices[0].message.tool_calls is None

@@ -64,7 +64,7 @@ def _client(backend: Backend, role: str) -> openai.AsyncOpenAI:
     state.attach(backend, backend)
     transport = httpx.ASGITransport(app=build_app(state))
     return openai.AsyncOpenAI(base_url="http://worker/v1", api_key="unused", max_retries=0,
-                              http_client=httpx.AsyncClient(transport=transport, timeout=120.0))
+                              http_client=httpx.AsyncClient(transport=transport, timeout=120.0))  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")

@@ -226,14 +226,15 @@ class OpenAIServing:
         new_logprobs = out.new_logprobs or []
         if call.kind == "chat":
             delta = ChatDelta(content=out.new_text)
+            chat_finish: str | None = finish
             if parser is not None:
                 content, tool_calls = parser.feed(out.new_text, final=out.finished)
                 delta = ChatDelta(content=content or None, tool_calls=tool_calls or None)
-                finish = _finish_reason(finish, parser.calls)
+                chat_finish = _finish_reason(finish, parser.calls)
             return self._chat_chunk(
                 call, choice, delta,
                 logprobs=self._chat_logprobs(new_logprobs) if call.wants_logprobs else None,
-                finish_reason=finish, stop_reason=stop_reason, token_ids=token_ids,
+                finish_reason=chat_finish, stop_reason=stop_reason, token_ids=token_ids,
             )
         offset = len(choice.text) - len(out.new_text)
         return CompletionResponse(
