@@ -146,6 +146,15 @@ def test_auto_parses_calls_out_of_the_text(client: openai.OpenAI, served: Any) -
     assert r.choices[0].finish_reason == "stop"
 
 
+def test_auto_with_a_strict_function_writes_text_or_valid_calls(client: openai.OpenAI, served: Any) -> None:
+    strict = [{"type": "function", "function": {**t["function"], "strict": True}} for t in TOOLS]
+    r = _chat(client, served.model, tools=strict, n=4, temperature=1.0, seed=2, max_tokens=120)
+    for choice in r.choices:
+        _assert_valid_calls(choice.message)
+        if choice.finish_reason != "length":  # the grammar lets no broken call through
+            assert "<tool_call>" not in (choice.message.content or ""), choice
+
+
 def test_none_offers_no_tools_and_parses_nothing(client: openai.OpenAI, served: Any) -> None:
     plain = client.chat.completions.create(model=served.model, messages=MESSAGES, max_tokens=12, temperature=0)  # type: ignore[arg-type]
     r = _chat(client, served.model, tool_choice="none", max_tokens=12)
@@ -255,6 +264,8 @@ BAD: list[tuple[dict[str, Any], str, str]] = [  # (fields, param, words of the m
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[1]"}}]}]}, "messages", "JSON object"),
     ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice", "cannot be combined"),
     ({"tool_choice": "required", "ignore_eos": True}, "tool_choice", "ignore_eos"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True}}], "guided_regex": "a+"},
+     "tool_choice", "cannot be combined"),
     ({"functions": [{"name": "f"}]}, "functions", "use tools and tool_choice"),
 ]
 

@@ -76,8 +76,8 @@ def prepare_chat(req: ChatCompletionRequest, model: ModelInfo, tokenizer: Tokeni
     params = _sampling_params(req, max_tokens, logprobs, ids, model)
     if plan is not None and plan.grammar is not None:
         if params.grammar is not None:
-            raise BadRequest("a structured-output constraint cannot be combined with tool_choice required or a "
-                             "named function, which constrain the output to calls", "tool_choice")
+            raise BadRequest("a structured-output constraint cannot be combined with tool_choice required, a "
+                             "named function or strict tools, which constrain the output to their format", "tool_choice")
         params = replace(params, grammar=plan.grammar)
     return Prepared(ids, params, plan if plan is not None and plan.offered else None)
 

@@ -16,9 +16,11 @@ calls and to parse them from the output:
   gets ours (`_fallback`): a system preamble listing the tools and the format,
   the assistant's calls as blocks after its text, and each run of tool results
   as one user turn of `<tool_response>` blocks.
-- `required` and a named function are enforced: `ToolPlan.grammar` allows
-  exactly the call blocks, with arguments valid under the declared schema; it
-  rides `SamplingParams.grammar`, so PD carries it as any structured output.
+- `required` and a named function are enforced (and `auto` when a function
+  asks for `strict` arguments): `ToolPlan.grammar` allows exactly the call
+  blocks (after text, in `auto`), with arguments valid under the declared
+  schema; it rides `SamplingParams.grammar`, so PD carries it as any
+  structured output.
 - The output (every mode but `none`) is split by `ToolCallParser` into content
   and calls, while streaming too; a block that is not a well-formed call of an
   offered function stays text.
@@ -66,12 +68,19 @@ class ToolPlan:
     choice: ToolChoice
     parallel: bool
     named: str | None = None
-    grammar: str | None = None  # the enforced call format (required or named)
+    grammar: str | None = None  # the enforced call format (`enforced`)
 
     @property
     def offered(self) -> bool:
         """Whether the model is shown the tools and its output parsed for calls."""
         return self.choice is not ToolChoice.NONE
+
+    @property
+    def enforced(self) -> bool:
+        """Whether the call format is enforced by a grammar: `required`, a named
+        function, or `auto` with a function that asks for `strict` arguments."""
+        strict = self.choice is ToolChoice.AUTO and any(t.function.strict for t in self.tools)
+        return strict or self.choice in (ToolChoice.REQUIRED, ToolChoice.NAMED)
 
     @property
     def callable_names(self) -> frozenset[str]:
@@ -91,11 +100,11 @@ def plan_tools(req: ChatCompletionRequest) -> ToolPlan | None:
     if not tools:
         return None
     plan = ToolPlan(tools, choice, req.parallel_tool_calls, named)
-    if plan.choice not in (ToolChoice.REQUIRED, ToolChoice.NAMED):
+    if not plan.enforced:
         return plan
     if req.ignore_eos:
-        raise BadRequest("tool_choice required or a named function cannot be combined with ignore_eos: "
-                         "the output ends after the calls", "tool_choice")
+        raise BadRequest("tool_choice required, a named function or strict tools cannot be combined with "
+                         "ignore_eos: the output ends where the enforced call format does", "tool_choice")
     return ToolPlan(tools, choice, req.parallel_tool_calls, named, _call_grammar(plan))
 
 
@@ -145,22 +154,29 @@ def _tool_choice(value: str | dict[str, Any] | None, tools: tuple[ToolSpec, ...]
 # --- the enforced format --------------------------------------------------
 
 
-def _call_prefix(name: str) -> str:
-    return f'{CALL_OPEN}\n{{"name":{json.dumps(name)},"arguments":'
-
-
 def _call_grammar(plan: ToolPlan) -> str:
-    """Lark: one call block (named, or parallel_tool_calls false) or blocks
-    separated by newlines, each a call of one function with its schema's arguments."""
+    """Lark: the call blocks, each a call of one callable function with
+    arguments valid under its schema; one block (named, or parallel_tool_calls
+    false) or blocks separated by newlines. In `auto`, text (which never holds
+    a call's start) may stand alone or come before the blocks."""
     lines = []
     specs = [t for t in plan.tools if t.function.name in plan.callable_names]
+    tail = json.dumps(f"}}\n{CALL_CLOSE}")
     for i, tool in enumerate(specs):
-        prefix, suffix = json.dumps(_call_prefix(tool.function.name)), json.dumps(f"}}\n{CALL_CLOSE}")
-        lines.append(f"call_{i}: {prefix} args_{i} {suffix}")
+        head = json.dumps(f'\n{{"name":{json.dumps(tool.function.name)},"arguments":')
+        lines.append(f"body_{i}: {head} args_{i} {tail}")
         lines.append(f"args_{i}: {lark_json(tool.function.parameters or _NO_ARGUMENTS)}")
-    one_or_more = plan.named is None and plan.parallel
-    start = 'start: call ("\\n" call)*' if one_or_more else "start: call"
-    lark = "\n".join([start, "call: " + " | ".join(f"call_{i}" for i in range(len(specs))), *lines])
+    separator = json.dumps("\n" + CALL_OPEN)
+    more = f"({separator} body)*" if plan.named is None and plan.parallel else ""
+    if plan.choice is ToolChoice.AUTO:
+        # NOTE: one lexeme for the text and the first opening tag: llguidance's lexer
+        # does not backtrack, so text then a separate tag lexeme would never match.
+        start = [f"start: (TEXT | OPENER body {more})?",
+                 f"TEXT: /(?s:.+)/ & ~/(?s:.*{CALL_OPEN}.*)/",
+                 f"OPENER: /(?s:.*{CALL_OPEN})/ & ~/(?s:.*{CALL_OPEN}.+)/"]
+    else:
+        start = [f"start: {json.dumps(CALL_OPEN)} body {more}"]
+    lark = "\n".join([*start, "body: " + " | ".join(f"body_{i}" for i in range(len(specs))), *lines])
     return build_grammar(GrammarKind.LARK, lark)
 
 
