@@ -12,8 +12,9 @@ import pytest
 from disagg.testing.tiny_model import build_tokenizer
 from disagg.workers.engine.grammar import Grammars
 from disagg.workers.engine.tokenizer import Tokenizer
-from disagg.workers.http.protocol import ChatCompletionRequest
-from disagg.workers.http.tools import ToolCallParser, ToolPlan, format_call, parse_output, plan_tools
+from disagg.workers.http.protocol import ChatCompletionRequest, ToolCallDelta
+from disagg.workers.http.tool_parser import ToolCallParser, parse_output
+from disagg.workers.http.tools import ToolPlan, format_call, plan_tools
 
 ADD: dict[str, Any] = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
                        "required": ["a", "b"], "additionalProperties": False}
@@ -98,7 +99,7 @@ def test_streamed_pieces_parse_as_the_whole_text(text: str, parallel: bool) -> N
     content, calls = parse_output(plan, text)
     for size in (1, 2, 3, 7):
         parser = ToolCallParser(plan)
-        streamed, deltas = "", []
+        streamed, deltas = "", list[ToolCallDelta]()
         for i in range(0, len(text), size):
             piece, new = parser.feed(text[i:i + size], final=i + size >= len(text))
             streamed, deltas = streamed + piece, deltas + new

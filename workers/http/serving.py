@@ -20,7 +20,7 @@ from disagg.workers.http.errors import APIError, BadRequest, role_api_error
 from disagg.workers.pd.errors import RequestFailed
 from disagg.workers.http.fanout import ClientDisconnected, stream_choices
 from disagg.workers.http.prepare import Prepared
-from disagg.workers.http.tools import ToolCallParser, parse_output
+from disagg.workers.http.tool_parser import ToolCallParser, parse_output
 from disagg.workers.http.protocol import (
     ChatChoice,
     ChatChunkChoice,

@@ -21,30 +21,21 @@ calls and to parse them from the output:
   blocks (after text, in `auto`), with arguments valid under the declared
   schema; it rides `SamplingParams.grammar`, so PD carries it as any
   structured output.
-- The output (every mode but `none`) is split by `ToolCallParser` into content
-  and calls, while streaming too; a block that is not a well-formed call of an
-  offered function stays text.
+- The output (every mode but `none`) is split into content and calls by
+  tool_parser.py, while streaming too.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 from disagg.workers.engine.grammar import GrammarKind, build_grammar, lark_json
 from disagg.workers.http.errors import BadRequest
-from disagg.workers.http.protocol import (
-    ChatCompletionRequest,
-    FunctionCall,
-    FunctionCallDelta,
-    ToolCall,
-    ToolCallDelta,
-    ToolSpec,
-)
+from disagg.workers.http.protocol import ChatCompletionRequest, ToolCall, ToolSpec
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
@@ -53,7 +44,7 @@ _NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}}
 _COMPACT = (",", ":")  # the separators the grammar's JSON uses; history is written the same way
 
 
-class ToolChoice(str, Enum):
+class ToolChoice(StrEnum):
     NONE = "none"
     AUTO = "auto"
     REQUIRED = "required"
@@ -262,107 +253,3 @@ def _preamble(tools: list[dict[str, Any]]) -> str:
     return (f"Functions you may call:\n<tools>\n{listed}\n</tools>\n"
             f"Call them with one block each:\n{format_call('<name>', {'<argument>': '<value>'})}\n"
             f"Results come back in {RESPONSE_OPEN} blocks.")
-
-
-# --- the output -------------------------------------------------------------
-
-
-class ToolCallParser:
-    """Splits one choice's output, fed as it arrives, into content and calls.
-
-    Text that may still become a call (a partial `<tool_call>`, or a block
-    waiting for its end) is held back; whitespace touching a call is dropped,
-    so content streamed in pieces equals content parsed whole. A call block
-    that is not a JSON object of an offered function's `name` and object
-    `arguments` stays text; with parallel_tool_calls false, so does every
-    block after the first call.
-    """
-
-    def __init__(self, plan: ToolPlan) -> None:
-        self._names = plan.callable_names
-        self._parallel = plan.parallel
-        self._pending = ""  # not judged yet
-        self._space = ""  # trailing whitespace of the content: dropped if a call follows
-        self._after_call = False
-        self._has_content = False
-        self.calls: list[ToolCall] = []
-
-    def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolCallDelta]]:
-        """The new content and the calls completed by `text`; `final` flushes what was held."""
-        self._pending += text
-        content: list[str] = []
-        first_new = len(self.calls)
-        while True:
-            may_call = self._parallel or not self.calls
-            start = self._pending.find(CALL_OPEN) if may_call else -1
-            if start < 0:
-                keep = 0 if final or not may_call else _partial_open(self._pending)
-                self._text(self._pending[:len(self._pending) - keep], content)
-                self._pending = self._pending[len(self._pending) - keep:]
-                break
-            self._text(self._pending[:start], content)
-            self._pending = self._pending[start:]
-            end = self._pending.find(CALL_CLOSE)
-            if end < 0:
-                if final:
-                    self._text(self._pending, content)
-                    self._pending = ""
-                break
-            block, self._pending = self._pending[:end + len(CALL_CLOSE)], self._pending[end + len(CALL_CLOSE):]
-            call = self._call(block[len(CALL_OPEN):end])
-            if call is None:
-                self._text(block, content)
-            else:
-                self.calls.append(call)
-                self._space, self._after_call = "", True
-        if final:
-            content.append(self._space)
-            self._space = ""
-        deltas = [ToolCallDelta(index=i, id=c.id, type="function",
-                                function=FunctionCallDelta(name=c.function.name, arguments=c.function.arguments))
-                  for i, c in enumerate(self.calls[first_new:], start=first_new)]
-        return "".join(content), deltas
-
-    def _text(self, text: str, out: list[str]) -> None:
-        if self._after_call:
-            text = text.lstrip()
-            if not text:
-                return
-            self._after_call = False
-            if self._has_content:  # text on both sides of a call: keep them apart
-                text = "\n" + text
-        body = text.rstrip()
-        if body:
-            out.append(self._space + body)
-            self._space = text[len(body):]
-            self._has_content = True
-        else:
-            self._space += text
-
-    def _call(self, body: str) -> ToolCall | None:
-        try:
-            value = json.loads(body)
-        except ValueError:
-            return None
-        if not isinstance(value, dict) or set(value) != {"name", "arguments"}:
-            return None
-        name, arguments = value["name"], value["arguments"]
-        if name not in self._names or not isinstance(arguments, dict):
-            return None
-        return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}",
-                        function=FunctionCall(name=name, arguments=json.dumps(arguments, ensure_ascii=False)))
-
-
-def _partial_open(text: str) -> int:
-    """Length of the longest end of `text` that begins CALL_OPEN (held back: a call may be starting)."""
-    for n in range(min(len(text), len(CALL_OPEN) - 1), 0, -1):
-        if CALL_OPEN.startswith(text[-n:]):
-            return n
-    return 0
-
-
-def parse_output(plan: ToolPlan, text: str) -> tuple[str | None, list[ToolCall]]:
-    """A whole output's content (None when it is only calls) and calls."""
-    parser = ToolCallParser(plan)
-    content, _ = parser.feed(text, final=True)
-    return (content or None) if parser.calls else content, parser.calls
