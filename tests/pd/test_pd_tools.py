@@ -17,6 +17,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from disagg.testing.tiny_model import build_tiny_model
 from disagg.workers.engine.config import EngineConfig
@@ -50,6 +51,9 @@ CASES: list[dict[str, Any]] = [
     {"tool_choice": "required"},
     {"tool_choice": "required", "parallel_tool_calls": False, "temperature": 1.0, "seed": 5},
     {"tool_choice": "auto", "extra_body": {"guided_choice": [FORCED], "return_token_ids": True}},
+    {"tool_choice": "none", "max_tokens": 24},
+    {"tools": [{"type": "function", "function": {**t["function"], "strict": True}} for t in TOOLS],
+     "temperature": 1.0, "seed": 9, "max_tokens": 60},
 ]
 
 
@@ -82,12 +86,15 @@ async def _answer(client: openai.AsyncOpenAI, fields: dict[str, Any], stream: bo
                             "temperature": 0, **fields}
     body["extra_body"] = {"return_token_ids": True, **body.get("extra_body", {})}
     if stream:
-        async with client.chat.completions.stream(**body) as events:
-            token_ids: list[int] = []
-            async for event in events:
-                if event.type == "chunk" and event.chunk.choices:
-                    token_ids += getattr(event.chunk.choices[0], "token_ids", None) or []
-            choice: Any = (await events.get_final_completion()).choices[0]
+        # The client's own delta accumulation (its stream helpers' state), which unlike
+        # `.stream()` keeps answers cut by max_tokens too.
+        state: ChatCompletionStreamState[Any] = ChatCompletionStreamState()
+        token_ids: list[int] = []
+        async for chunk in await client.chat.completions.create(stream=True, **body):
+            state.handle_chunk(chunk)
+            for c in chunk.choices:
+                token_ids += getattr(c, "token_ids", None) or []
+        choice: Any = state.current_completion_snapshot.choices[0]
     else:
         choice = (await client.chat.completions.create(**body)).choices[0]
         token_ids = choice.token_ids
@@ -108,9 +115,10 @@ async def test_tool_calls_through_pd_equal_the_mixed_role(pd_pair: Callable[...,
     expected = [a async for a in _answers(mixed, "mixed")]
     async with pd_pair(mode, **ENGINE) as pair:
         got = [a async for a in _answers(pair.prefill.backend, "prefill")]
-    assert got == expected, (got, expected)
+    assert got == expected
+    assert expected[0::2] == expected[1::2]  # streamed as whole
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-    named, required, single, auto = (expected[2 * i] for i in range(len(CASES)))
+    named, required, single, auto, none, strict = (expected[2 * i] for i in range(len(CASES)))
     assert [name for name, _ in named["calls"]] == ["book_flight"] and named["finish"] == "tool_calls"
     assert required["calls"] and len(single["calls"]) == 1 and single["finish"] == "tool_calls"
     for answer in (named, required, single):
@@ -119,3 +127,6 @@ async def test_tool_calls_through_pd_equal_the_mixed_role(pd_pair: Callable[...,
             jsonschema.validate(arguments, schemas[name])
     assert auto == {"calls": [("cancel", {"ok": True})], "content": "Sure.", "finish": "tool_calls",
                     "tokens": auto["tokens"]}
+    assert none["calls"] == [] and none["content"]
+    for name, arguments in strict["calls"]:
+        jsonschema.validate(arguments, schemas[name])
