@@ -66,14 +66,16 @@ def build_tokenizer(dest: Path) -> None:
 
 
 def build_tiny_model(family: str, dest: Path, *, tied: bool = False, max_shard_size: str | None = None,
-                     seed: int = 0) -> Path:
-    """Writes a random model of `family` to `dest` as a Hugging Face folder."""
+                     seed: int = 0, context: int | None = None) -> Path:
+    """Writes a random model of `family` to `dest` as a Hugging Face folder;
+    `context` replaces its 512 positions (prompts that this tokenizer makes long)."""
     import torch
     import transformers
 
     config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
                   "qwen3": transformers.Qwen3Config, "gemma": transformers.GemmaConfig}[family]
-    config = config_cls(**CONFIGS[family], tie_word_embeddings=tied)
+    overrides = {} if context is None else {"max_position_embeddings": context}
+    config = config_cls(**{**CONFIGS[family], **overrides}, tie_word_embeddings=tied)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Default init leaves biases at 0 and norms at 1, which would hide a wrong

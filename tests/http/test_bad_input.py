@@ -81,7 +81,7 @@ BAD_INPUTS = [
     ("assistant-tool-calls", CHAT, json.dumps(_chat(messages=[
         {"role": "user", "content": "hi"},
         {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function"}]},
-    ])), "tool calls"),
+    ])), "tool_calls.0.function"),  # a call without its function
 ]
 
 

@@ -24,8 +24,8 @@ MESSAGES = [{"role": "user", "content": "Hello"}]
 
 # (endpoint, field, a value that asks for something the server does not do)
 REFUSED_CASES = [
-    (CHAT, "tools", [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
-    (CHAT, "tool_choice", "required"),
+    (CHAT, "function_call", "auto"),
+    (CHAT, "tool_choice", "required"),  # with no tools
     (CHAT, "functions", [{"name": "f"}]),
     (CHAT, "response_format", {"type": "xml"}),
     (CHAT, "guided_regex", "[a-"),
@@ -122,8 +122,8 @@ def test_message_fields_null_is_accepted_and_a_value_refused(http: httpx.Client)
 def test_openai_client_gets_a_bad_request_naming_the_field(client: openai.OpenAI, served: Any) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model=served.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
-                                       tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="required")
-    assert caught.value.param in ("tools", "tool_choice")
+                                       functions=[{"name": "f"}], function_call="auto")
+    assert caught.value.param in ("functions", "function_call")
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model=served.model, prompt="Hi", max_tokens=2, logit_bias={"7": 50})
     assert caught.value.param == "logit_bias"

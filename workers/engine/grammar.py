@@ -63,6 +63,12 @@ def build_grammar(kind: GrammarKind, value: Any) -> str:
     return grammar
 
 
+def lark_json(schema: dict[str, Any]) -> str:
+    """A Lark rule body that matches compact JSON valid under `schema`
+    (llguidance's `%json` extension), for grammars that embed JSON."""
+    return "%json " + json.dumps({"x-guidance": _JSON_OPTIONS, **schema})
+
+
 def check_grammar(grammar: str) -> None:
     """ValueError with llguidance's message when the grammar text does not compile."""
     error = Matcher.validate_grammar(grammar)

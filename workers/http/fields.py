@@ -23,7 +23,6 @@ HARMLESS: dict[str, str] = {
     "service_tier": "OpenAI's billing tier",
     "prompt_cache_key": "a cache-routing hint; the prefix cache works without it",
     "safety_identifier": "an end-user id for OpenAI's abuse monitoring",
-    "parallel_tool_calls": "an option of tool calling, which is refused when asked for",
     "request_id": "vLLM's client-chosen id; responses carry the server's id",
 }
 
@@ -47,14 +46,12 @@ class Refused:
     noop: Noop = _is()
 
 
-_TOOLS = "tool calling is not supported"
+_LEGACY_FUNCTIONS = "the legacy functions API is not supported: use tools and tool_choice"
 
 REFUSED: dict[str, Refused] = {
     # OpenAI
-    "tools": Refused(_TOOLS, _is([])),
-    "tool_choice": Refused(_TOOLS, _is("none")),
-    "functions": Refused(_TOOLS, _is([])),
-    "function_call": Refused(_TOOLS, _is("none")),
+    "functions": Refused(_LEGACY_FUNCTIONS, _is([])),
+    "function_call": Refused(_LEGACY_FUNCTIONS, _is("none")),
     "logit_bias": Refused("logit_bias is not supported", _is({})),
     "best_of": Refused("best_of other than n is not supported", _best_of_noop),
     "suffix": Refused("suffix (insertion) is not supported", _is("")),

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from jinja2 import TemplateError
@@ -18,12 +18,14 @@ from disagg.workers.http.backend import ModelInfo
 from disagg.workers.http.errors import BadRequest, ModelNotFound
 from disagg.workers.http.fields import check_extra_fields, check_message_fields
 from disagg.workers.http.protocol import CHAT_ROLES, ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
+from disagg.workers.http.tools import ToolPlan, history_calls, plan_tools, render_input
 
 
 @dataclass(frozen=True)
 class Prepared:
     prompt_token_ids: list[int]
     params: SamplingParams
+    tools: ToolPlan | None = None  # offered tools: the output is parsed for calls
 
 
 def check_model(requested: str, model: ModelInfo) -> None:
@@ -58,9 +60,11 @@ def prepare_chat(req: ChatCompletionRequest, model: ModelInfo, tokenizer: Tokeni
     check_extra_fields(req)
     if not req.messages:
         raise BadRequest("messages must not be empty", "messages")
-    messages = [_message(i, m) for i, m in enumerate(req.messages)]
+    plan = plan_tools(req)
+    messages, tools = render_input([_message(i, m) for i, m in enumerate(req.messages)], plan,
+                                   tokenizer.template_takes_tools)
     try:
-        ids = tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt)
+        ids = tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt, tools=tools)
     except TemplateError as exc:
         raise BadRequest(f"the chat template rejected the messages: {exc}", "messages") from exc
     if not ids:
@@ -69,23 +73,39 @@ def prepare_chat(req: ChatCompletionRequest, model: ModelInfo, tokenizer: Tokeni
         raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    return Prepared(ids, _sampling_params(req, max_tokens, logprobs, ids, model))
+    params = _sampling_params(req, max_tokens, logprobs, ids, model)
+    if plan is not None and plan.grammar is not None:
+        if params.grammar is not None:
+            raise BadRequest("a structured-output constraint cannot be combined with tool_choice required, a "
+                             "named function or strict tools, which constrain the output to their format", "tool_choice")
+        params = replace(params, grammar=plan.grammar)
+    return Prepared(ids, params, plan if plan is not None and plan.offered else None)
 
 
-def _message(index: int, message: ChatMessage) -> dict[str, str]:
-    """The message as the chat template sees it; `name` goes along for templates that use it."""
-    rendered = {"role": message.role, "content": _message_text(index, message)}
-    if message.name is not None:
-        rendered["name"] = message.name
-    return rendered
-
-
-def _message_text(index: int, message: ChatMessage) -> str:
+def _message(index: int, message: ChatMessage) -> dict[str, Any]:
+    """The message as the chat template sees it (Hugging Face's form); `name`
+    goes along for templates that use it."""
     check_message_fields(index, message.model_extra)
     if message.role not in CHAT_ROLES:
         raise BadRequest(f"unknown message role {message.role!r}: expected one of {', '.join(CHAT_ROLES)}", "messages")
+    if message.tool_calls and message.role != "assistant":
+        raise BadRequest(f"messages[{index}]: only an assistant message has tool_calls", "messages")
+    if (message.role == "tool") != (message.tool_call_id is not None):
+        raise BadRequest(f"messages[{index}]: a tool message needs a tool_call_id, and only a tool message has one",
+                         "messages")
+    # An assistant message that calls tools may have no text.
+    text = "" if message.content is None and message.tool_calls else _message_text(message)
+    rendered: dict[str, Any] = {"role": message.role, "content": text}
+    if message.name is not None:
+        rendered["name"] = message.name
     if message.tool_calls:
-        raise BadRequest("tool calls are not supported", "messages")
+        rendered["tool_calls"] = history_calls(index, message.tool_calls)
+    if message.tool_call_id is not None:
+        rendered["tool_call_id"] = message.tool_call_id
+    return rendered
+
+
+def _message_text(message: ChatMessage) -> str:
     content = message.content
     if content is None:
         raise BadRequest(f"a {message.role} message needs content (a string or text parts), got null", "messages")

@@ -94,7 +94,41 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
 
 
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+# Tool calling (tools.py gives these fields their meaning).
+
+
+class FunctionSpec(BaseModel):
+    model_config = _REQUEST
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object; None: no arguments
+    strict: bool | None = None  # arguments always follow the schema when a call is enforced
+
+
+class ToolSpec(BaseModel):
+    model_config = _REQUEST
+
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class FunctionCall(BaseModel):
+    model_config = _REQUEST
+
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCall(BaseModel):
+    model_config = _REQUEST
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class ChatMessage(BaseModel):
@@ -104,7 +138,8 @@ class ChatMessage(BaseModel):
     # OpenAI's content parts: only {"type": "text", "text": ...} carry meaning here.
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # read only to refuse them clearly
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message answers this call
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -114,6 +149,10 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    tools: list[ToolSpec] | None = None
+    # "none", "auto", "required" or {"type": "function", "function": {"name": ...}}; checked in tools.py.
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
 
 # --- responses --------------------------------------------------------------
@@ -177,6 +216,7 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -197,9 +237,22 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo | None = None
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    index: int  # the call's place among the choice's calls: a client joins the deltas of one index
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta | None = None
+
+
 class ChatDelta(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

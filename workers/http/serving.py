@@ -20,6 +20,7 @@ from disagg.workers.http.errors import APIError, BadRequest, role_api_error
 from disagg.workers.pd.errors import RequestFailed
 from disagg.workers.http.fanout import ClientDisconnected, stream_choices
 from disagg.workers.http.prepare import Prepared
+from disagg.workers.http.tool_parser import ToolCallParser, parse_output
 from disagg.workers.http.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -35,6 +36,7 @@ from disagg.workers.http.protocol import (
     CompletionResponse,
     ErrorInfo,
     ErrorResponse,
+    ToolCall,
     UsageInfo,
 )
 from disagg.workers.metrics import RequestOutcome, WorkerMetrics
@@ -159,13 +161,13 @@ class OpenAIServing:
                 choices=[
                     ChatChoice(
                         index=c.index,
-                        message=ChatResponseMessage(content=c.text),
+                        message=message,
                         logprobs=self._chat_logprobs(c.logprobs) if call.wants_logprobs else None,
-                        finish_reason=c.finish_reason,
+                        finish_reason=finish,
                         stop_reason=c.stop_reason,
                         token_ids=c.token_ids if call.return_token_ids else None,
                     )
-                    for c in choices
+                    for c, (message, finish) in zip(choices, (_chat_answer(call, c) for c in choices))
                 ],
             )
         return CompletionResponse(
@@ -188,15 +190,19 @@ class OpenAIServing:
     async def stream(self, call: Call, wait_disconnect: Callable[[], Awaitable[None]] | None) -> AsyncGenerator[str, None]:
         """SSE lines: one chunk per delta, then usage if asked, then [DONE]."""
         choices = [Choice(i) for i in range(call.prepared.params.n)]
+        tools = call.prepared.tools
+        parsers = {c.index: ToolCallParser(tools) for c in choices} if tools is not None else {}
         try:
             if call.kind == "chat":
+                # With tools the content may stay null (only calls), as OpenAI streams it.
+                content = "" if tools is None else None
                 for c in choices:
-                    yield _sse(self._chat_chunk(call, c, ChatDelta(role="assistant", content="")))
+                    yield _sse(self._chat_chunk(call, c, ChatDelta(role="assistant", content=content)))
             async with aclosing(self._outputs(call, choices, wait_disconnect)) as outputs:
                 async for choice, out in outputs:
                     if not (out.new_text or out.new_token_ids or out.finished):
                         continue
-                    yield _sse(self._chunk(call, choice, out))
+                    yield _sse(self._chunk(call, choice, out, parsers.get(choice.index)))
             if call.include_usage:
                 usage = call.usage(choices)
                 if call.kind == "chat":
@@ -213,16 +219,22 @@ class OpenAIServing:
             yield _sse(ErrorResponse(error=info))
         yield "data: [DONE]\n\n"
 
-    def _chunk(self, call: Call, choice: Choice, out: RequestOutput) -> BaseModel:
+    def _chunk(self, call: Call, choice: Choice, out: RequestOutput, parser: ToolCallParser | None) -> BaseModel:
         token_ids = out.new_token_ids if call.return_token_ids else None
         finish = out.finish_reason if out.finished else None
         stop_reason = out.stop_reason if out.finished else None
         new_logprobs = out.new_logprobs or []
         if call.kind == "chat":
+            delta = ChatDelta(content=out.new_text)
+            chat_finish: str | None = finish
+            if parser is not None:
+                content, tool_calls = parser.feed(out.new_text, final=out.finished)
+                delta = ChatDelta(content=content or None, tool_calls=tool_calls or None)
+                chat_finish = _finish_reason(finish, parser.calls)
             return self._chat_chunk(
-                call, choice, ChatDelta(content=out.new_text),
+                call, choice, delta,
                 logprobs=self._chat_logprobs(new_logprobs) if call.wants_logprobs else None,
-                finish_reason=finish, stop_reason=stop_reason, token_ids=token_ids,
+                finish_reason=chat_finish, stop_reason=stop_reason, token_ids=token_ids,
             )
         offset = len(choice.text) - len(out.new_text)
         return CompletionResponse(
@@ -271,6 +283,20 @@ class OpenAIServing:
             head = entry(lp.token_id, lp.logprob)
             content.append(ChatTokenLogprob(**head.model_dump(), top_logprobs=[entry(t, v) for t, v in lp.top]))
         return ChatLogprobs(content=content)
+
+
+def _chat_answer(call: Call, choice: Choice) -> tuple[ChatResponseMessage, str | None]:
+    """The choice's message and finish reason: its text, or its content and
+    tool calls when tools were offered."""
+    if call.prepared.tools is None:
+        return ChatResponseMessage(content=choice.text), choice.finish_reason
+    content, calls = parse_output(call.prepared.tools, choice.text)
+    return ChatResponseMessage(content=content, tool_calls=calls or None), _finish_reason(choice.finish_reason, calls)
+
+
+def _finish_reason(finish: FinishReason | None, tool_calls: list[ToolCall]) -> str | None:
+    """OpenAI's `tool_calls` for a choice that ended by itself after calling tools."""
+    return "tool_calls" if finish is FinishReason.STOP and tool_calls else finish
 
 
 def _sse(body: BaseModel) -> str:

@@ -1,0 +1,112 @@
+"""Tool calls out of a chat model's output, whole or as it streams: the
+blocks of tools.py's call format that name an offered function become calls;
+everything else stays text (docs/openai-api.md, "Tool calling")."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+from disagg.workers.http.protocol import FunctionCall, FunctionCallDelta, ToolCall, ToolCallDelta
+from disagg.workers.http.tools import CALL_CLOSE, CALL_OPEN, ToolPlan
+
+
+class ToolCallParser:
+    """Splits one choice's output, fed as it arrives, into content and calls.
+
+    Text that may still become a call (a partial `<tool_call>`, or a block
+    waiting for its end) is held back; whitespace touching a call is dropped,
+    so content streamed in pieces equals content parsed whole. A call block
+    that is not a JSON object of an offered function's `name` and object
+    `arguments` stays text; with parallel_tool_calls false, so does every
+    block after the first call.
+    """
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self._names = plan.callable_names
+        self._parallel = plan.parallel
+        self._pending = ""  # not judged yet
+        self._space = ""  # trailing whitespace of the content: dropped if a call follows
+        self._after_call = False
+        self._has_content = False
+        self.calls: list[ToolCall] = []
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolCallDelta]]:
+        """The new content and the calls completed by `text`; `final` flushes what was held."""
+        self._pending += text
+        content: list[str] = []
+        first_new = len(self.calls)
+        while True:
+            may_call = self._parallel or not self.calls
+            start = self._pending.find(CALL_OPEN) if may_call else -1
+            if start < 0:
+                keep = 0 if final or not may_call else _partial_open(self._pending)
+                self._text(self._pending[:len(self._pending) - keep], content)
+                self._pending = self._pending[len(self._pending) - keep:]
+                break
+            self._text(self._pending[:start], content)
+            self._pending = self._pending[start:]
+            end = self._pending.find(CALL_CLOSE)
+            if end < 0:
+                if final:
+                    self._text(self._pending, content)
+                    self._pending = ""
+                break
+            block, self._pending = self._pending[:end + len(CALL_CLOSE)], self._pending[end + len(CALL_CLOSE):]
+            call = self._call(block[len(CALL_OPEN):end])
+            if call is None:
+                self._text(block, content)
+            else:
+                self.calls.append(call)
+                self._space, self._after_call = "", True
+        if final:
+            content.append(self._space)
+            self._space = ""
+        deltas = [ToolCallDelta(index=i, id=c.id, type="function",
+                                function=FunctionCallDelta(name=c.function.name, arguments=c.function.arguments))
+                  for i, c in enumerate(self.calls[first_new:], start=first_new)]
+        return "".join(content), deltas
+
+    def _text(self, text: str, out: list[str]) -> None:
+        if self._after_call:
+            text = text.lstrip()
+            if not text:
+                return
+            self._after_call = False
+            if self._has_content:  # text on both sides of a call: keep them apart
+                text = "\n" + text
+        body = text.rstrip()
+        if body:
+            out.append(self._space + body)
+            self._space = text[len(body):]
+            self._has_content = True
+        else:
+            self._space += text
+
+    def _call(self, body: str) -> ToolCall | None:
+        try:
+            value = json.loads(body)
+        except ValueError:
+            return None
+        if not isinstance(value, dict) or set(value) != {"name", "arguments"}:
+            return None
+        name, arguments = value["name"], value["arguments"]
+        if name not in self._names or not isinstance(arguments, dict):
+            return None
+        return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}",
+                        function=FunctionCall(name=name, arguments=json.dumps(arguments, ensure_ascii=False)))
+
+
+def _partial_open(text: str) -> int:
+    """Length of the longest end of `text` that begins CALL_OPEN (held back: a call may be starting)."""
+    for n in range(min(len(text), len(CALL_OPEN) - 1), 0, -1):
+        if CALL_OPEN.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def parse_output(plan: ToolPlan, text: str) -> tuple[str | None, list[ToolCall]]:
+    """A whole output's content (None when it is only calls) and calls."""
+    parser = ToolCallParser(plan)
+    content, _ = parser.feed(text, final=True)
+    return (content or None) if parser.calls else content, parser.calls
