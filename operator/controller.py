@@ -53,6 +53,7 @@ from disagg.operator.roles import (
     read_child,
     rolling,
 )
+from disagg.operator.scaler import Scaler
 from disagg.operator.snapshot import ClusterSnapshot, take_snapshot
 from disagg.operator.spec import ROLES, ClusterSpec, parse_spec
 from disagg.operator.status import build_status, status_changed
@@ -111,8 +112,10 @@ class ClusterController:
     tls: grpc.ChannelCredentials | None = None
     tls_items: tuple[bytes, bytes, bytes] | None = None
     # Per role, the built-in autoscaler's latest count: a role named here is owned by the autoscaler
-    # (roles.decide_count). The one place a recommendation enters the pass; empty until it is wired.
+    # (roles.decide_count). The one place a recommendation enters the pass.
     recommended: dict[str, int] = field(default_factory=dict)
+    scaler: Scaler | None = None  # while spec.scaling.autoscaler is set
+    scaled: dict[str, int] = field(default_factory=dict)  # the autoscaled roles' counts after the band, last pass
 
     def wake(self) -> None:
         self.wakeup.set()
@@ -139,13 +142,17 @@ class ClusterController:
         await self._keep_key(body, spec, pods)
         await self._keep_tls(body, spec)
         in_rollout = {role: rolling(pods, role, templates[role]) for role in ROLES}
+        await self._autoscale(body, spec, pods, in_rollout)
         roles = {role: await self._keep_role(body, spec, role, in_rollout[role]) for role in ROLES}
         band = apply_ratio(spec.scaling, {role: state.count for role, state in roles.items()}, in_rollout)
         if band.reason is not None:
             self._event(body, "Normal" if band.satisfied else "Warning",
                         "RatioBand" if band.satisfied else "RatioBandUnsatisfiable", f"ratio band: {band.reason}",
                         key=("RatioBand", band.reason))
+        self.deps.metrics.export_band(self.namespace, self.name, {
+            role: band.counts[role].desired - state.count.desired for role, state in roles.items()}, band.satisfied)
         roles = {role: replace(state, count=band.counts[role]) for role, state in roles.items()}
+        self.scaled = {role: state.count.desired for role, state in roles.items() if role in self.recommended}
         # From here on the pass plans and reports with the counts the roles' owners decided, banded.
         spec = spec.with_replicas({role: state.count.desired for role, state in roles.items()})
         await self._scale(body, spec, templates, pods)
@@ -160,7 +167,7 @@ class ClusterController:
         self._start_drains(body, spec, snap.views)
         owners = {role: state.count.owner for role, state in roles.items()}
         status = build_status(self.name, self.namespace, generation, spec, snap, body.get("status") or {}, _now_iso(),
-                              owners, band.reason)
+                              owners, band.reason, self.scaler)
         if status_changed(status, body.get("status") or {}):
             await self.deps.kube.patch_status(self.namespace, self.name, status)
         for role, state in roles.items():
@@ -172,9 +179,40 @@ class ClusterController:
         self.deps.metrics.export(self.namespace, self.name, snap)
         due = self.graph.next_due()
         resync = self.deps.settings.resync_s
+        if self.scaler is not None:
+            resync = min(resync, self.deps.settings.autoscaler_interval_s)
         if any(v.awaits_model for v in snap.views):
             resync = min(resync, self.deps.settings.health_poll_s)
         return resync if due is None else max(0.05, min(resync, due - time.monotonic()))
+
+    async def _autoscale(self, body: kopf.Body, spec: ClusterSpec, views: Sequence[PodView],
+                         in_rollout: Mapping[str, bool]) -> None:
+        """When due, the built-in autoscaler's counts into `recommended` (scaler.py); nothing without it.
+        The band is left to apply_ratio, which clamps every owner's counts in one place."""
+        auto = spec.scaling.autoscaler
+        if auto is None:
+            self.scaler, self.recommended, self.scaled = None, {}, {}
+            return
+        settings = self.deps.settings
+        if self.scaler is None:
+            self.scaler = Scaler(settings.autoscaler_window_s, settings.autoscaler_interval_s)
+        now = time.monotonic()
+        if not self.scaler.due(now):
+            return
+        # Where the roles are: the counts the last pass scaled them to; at first, the cluster's own.
+        current = {role: self.scaled.get(role, spec.role(role).replicas) for role in ROLES}
+        decision = await self.scaler.run(self.deps.http, auto, None, views, current, in_rollout, now)
+        self.recommended = {role: d.desired for role, d in decision.roles.items()}
+        for role, d in decision.roles.items():
+            if d.acted:
+                self._event(body, "Normal", "AutoscalerScaled", f"{role}: {d.current} -> {d.desired} pods: {d.reason}")
+        condition = self.scaler.metrics_condition()
+        if condition.ok:  # the next episode of missing metrics is reported again
+            self.reported = {k for k in self.reported if k[0] != "AutoscalerHolding"}
+        else:
+            self._event(body, "Warning", "AutoscalerHolding", condition.message,
+                        key=("AutoscalerHolding", condition.reason))
+        self.deps.metrics.export_autoscaler(self.namespace, self.name, decision, self.scaler.latency_p90_s)
 
     async def _keep_role(self, body: kopf.Body, spec: ClusterSpec, role: str, in_rollout: bool) -> RoleState:
         """Decide the role's count (roles.decide_count) and keep its DisaggRole: made when missing,

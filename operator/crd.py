@@ -130,13 +130,20 @@ def _role_scaling(role: str) -> Schema:
         "owner": _str(f"static (spec.{role}.replicas), external (the DisaggRole <name>-{role}'s spec.replicas) or "
                       "autoscaler (spec.scaling.autoscaler).", enum=list(s.OWNERS)),
         "desired": {"type": "integer", "format": "int32", "description": "The count the operator scales the role to."},
+        # The built-in autoscaler's latest decision, while it owns the role (docs/autoscaling.md).
+        "outcome": _str("scale-up, scale-down or hold.", enum=["scale-up", "scale-down", "hold"]),
+        "hold": _str("Why the role held: steady, metrics-missing, metrics-stale, stabilising, rollout-in-progress; "
+                     "empty when it moved."),
+        "reason": _str("The signals behind the decision."),
+        "lastScaleTime": _str("When the autoscaler last changed the count; empty before it has.",
+                              pattern=r"^$|^[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}Z$"),
     })
 
 
 def status_schema() -> Schema:
     n = {"type": "integer", "format": "int32"}
     condition = _obj("A condition, as in Kubernetes objects.", {
-        "type": _str("Available, Progressing, Degraded or LinksReady."),
+        "type": _str("Available, Progressing, Degraded, LinksReady, or MetricsAvailable (built-in autoscaler)."),
         "status": _str("True, False or Unknown.", enum=["True", "False", "Unknown"]),
         "reason": _str("A CamelCase reason."),
         "message": _str("What is wrong and what to do about it."),

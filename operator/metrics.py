@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from disagg.operator.autoscaler import Decision
 from disagg.operator.links import LinkResult
+from disagg.operator.scaling import Role
 from disagg.operator.snapshot import ClusterSnapshot
 
 
@@ -32,6 +35,23 @@ class OperatorMetrics:
                                        buckets=(1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600), registry=r)
         self.drain_timeouts = Counter(p + "drain_timeouts_total", "Drains cut short by the drain timeout.",
                                       registry=r)
+        cluster_role = ["namespace", "cluster", "role"]
+        self.band_adjustment = Gauge(p + "ratio_band_adjustment_replicas",
+                                     "Pods the P:D ratio band added (+) or removed (-) from the role's owner's count "
+                                     "on the latest pass.", cluster_role, registry=r)
+        self.band_satisfiable = Gauge(p + "ratio_band_satisfiable",
+                                      "1 when counts within the limits fit the P:D ratio band, 0 when none do.",
+                                      ["namespace", "cluster"], registry=r)
+        self.autoscaler_desired = Gauge(p + "autoscaler_desired_replicas",
+                                        "The built-in autoscaler's count for the role, before the ratio band.",
+                                        cluster_role, registry=r)
+        self.autoscaler_decisions = Counter(p + "autoscaler_decisions_total",
+                                            "The built-in autoscaler's decisions per role, by outcome and hold reason "
+                                            "(none when the role moved).", [*cluster_role, "outcome", "hold"],
+                                            registry=r)
+        self.autoscaler_latency = Gauge(p + "autoscaler_latency_p90_seconds",
+                                        "The p90 the autoscaler read over its window: TTFT for prefill, TPOT for "
+                                        "decode; NaN with no sample.", cluster_role, registry=r)
 
     def observe_links(self, results: Iterable[LinkResult]) -> None:
         for res in results:
@@ -48,6 +68,19 @@ class OperatorMetrics:
         for role, counts in snap.roles.items():
             for state, n in asdict(counts).items():
                 self.pods.labels(namespace, cluster, role, state).set(n)
+
+    def export_band(self, namespace: str, cluster: str, adjustment: Mapping[str, int], satisfiable: bool) -> None:
+        for role, delta in adjustment.items():
+            self.band_adjustment.labels(namespace, cluster, role).set(delta)
+        self.band_satisfiable.labels(namespace, cluster).set(1 if satisfiable else 0)
+
+    def export_autoscaler(self, namespace: str, cluster: str, decision: Decision,
+                          latency_p90_s: Mapping[Role, float | None]) -> None:
+        for role, d in decision.roles.items():
+            self.autoscaler_desired.labels(namespace, cluster, role).set(d.desired)
+            self.autoscaler_decisions.labels(namespace, cluster, role, d.outcome, d.hold or "none").inc()
+        for role, latency in latency_p90_s.items():
+            self.autoscaler_latency.labels(namespace, cluster, role).set(math.nan if latency is None else latency)
 
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
         """Expose /metrics on `port` in a background thread; once (a retried startup calls it again)."""

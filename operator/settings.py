@@ -61,13 +61,18 @@ class OperatorSettings:
     drain_grace_s: float = 2.0
     metrics_poll_s: float = 0.5
     metrics_port: int = 8080  # Prometheus /metrics of the operator; 0 disables
+    # The built-in autoscaler (spec.scaling.autoscaler): how often it reads the
+    # workers' /metrics and decides, and the window its figures summarise.
+    autoscaler_interval_s: float = 15.0
+    autoscaler_window_s: float = 30.0
     api_timeout_s: float = 30.0  # every Kubernetes API request
     # Security contexts of the worker pods and containers the operator creates (JSON objects).
     worker_pod_security_context: Mapping[str, Any] = field(default_factory=dict, metadata={"parse": _json_object})
     worker_security_context: Mapping[str, Any] = field(default_factory=dict, metadata={"parse": _json_object})
 
     def __post_init__(self) -> None:
-        for name in ("resync_s", "reassert_s", "link_timeout_s", "health_poll_s", "metrics_poll_s", "api_timeout_s"):
+        for name in ("resync_s", "reassert_s", "link_timeout_s", "health_poll_s", "metrics_poll_s", "api_timeout_s",
+                     "autoscaler_interval_s", "autoscaler_window_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{PREFIX}{name.upper()} must be positive, got {getattr(self, name)}")
         if self.drain_grace_s < 0:

@@ -12,10 +12,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from disagg.operator import manifests as m
+from disagg.operator.scaler import Scaler
 from disagg.operator.snapshot import ClusterSnapshot
-from disagg.operator.spec import ROLES, ClusterSpec
+from disagg.operator.spec import AUTOSCALER, ROLES, ClusterSpec
 
 CONDITIONS = ("Available", "Progressing", "Degraded", "LinksReady")
+METRICS_AVAILABLE = "MetricsAvailable"  # only while the built-in autoscaler runs
 
 
 @dataclass(frozen=True)
@@ -103,13 +105,18 @@ def conditions(spec: ClusterSpec, snap: ClusterSnapshot) -> list[Condition]:
 
 def build_status(cluster: str, namespace: str, generation: int, spec: ClusterSpec, snap: ClusterSnapshot,
                  previous: Mapping[str, Any], now: str, owners: Mapping[str, str],
-                 ratio: str | None = None) -> dict[str, Any]:
+                 ratio: str | None = None, scaler: Scaler | None = None) -> dict[str, Any]:
     """The whole status; a condition keeps its lastTransitionTime while its status holds.
     `spec` holds the counts the roles' `owners` (roles.py) decided, after the ratio band's
-    adjustment `ratio` (None: none)."""
+    adjustment `ratio` (None: none); `scaler`, the built-in autoscaler once it has decided
+    (its reasons per role, and the MetricsAvailable condition)."""
     before = {c.get("type"): c for c in previous.get("conditions") or []}
     conds = []
-    for c in conditions(spec, snap):
+    found = conditions(spec, snap)
+    if scaler is not None and scaler.decision is not None:
+        metrics = scaler.metrics_condition()
+        found.append(Condition(METRICS_AVAILABLE, metrics.ok, metrics.reason, metrics.message))
+    for c in found:
         status = "True" if c.ok else "False"
         old = before.get(c.type, {})
         since = old.get("lastTransitionTime") if old.get("status") == status else None
@@ -120,7 +127,9 @@ def build_status(cluster: str, namespace: str, generation: int, spec: ClusterSpe
         "observedGeneration": generation,
         "prefill": roles["prefill"].status(),
         "decode": roles["decode"].status(),
-        "scaling": {**{role: {"owner": owners[role], "desired": spec.role(role).replicas} for role in ROLES},
+        "scaling": {**{role: {"owner": owners[role], "desired": spec.role(role).replicas,
+                              **(scaler.role_status(role) if owners[role] == AUTOSCALER and scaler is not None
+                                 and scaler.decision is not None else {})} for role in ROLES},
                     "ratio": ratio or ""},
         "links": {"desired": links.desired, "established": links.established, "failed": links.failed},
         "linksSummary": f"{links.established}/{links.desired}",

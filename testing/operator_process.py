@@ -39,7 +39,8 @@ class OperatorProcess:
         assert self.proc is None, "the operator is already running"
         env = {**os.environ, "DISAGG_OPERATOR_METRICS_PORT": str(self.metrics_port),
                "DISAGG_OPERATOR_RESYNC_S": "2", "DISAGG_OPERATOR_LINK_TIMEOUT_S": "3",
-               "DISAGG_OPERATOR_DRAIN_GRACE_S": "2", "DISAGG_OPERATOR_METRICS_POLL_S": "0.2"}
+               "DISAGG_OPERATOR_DRAIN_GRACE_S": "2", "DISAGG_OPERATOR_METRICS_POLL_S": "0.2",
+               "DISAGG_OPERATOR_AUTOSCALER_INTERVAL_S": "1", "DISAGG_OPERATOR_AUTOSCALER_WINDOW_S": "5"}
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "disagg.operator.main", "--standalone", "--liveness-port", "0",

@@ -7,9 +7,13 @@ ratio band clamps the owners' counts.
 from __future__ import annotations
 
 import json
+import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from kubernetes import client
 
@@ -120,3 +124,90 @@ def test_roles_scale_through_their_scale_subresource(operator: OperatorProcess, 
     prefill = kubectl.json("get", "dr", "llm-prefill", "-n", namespace)
     assert (prefill["spec"]["replicas"], prefill["status"]["desired"]) == (1, 2), "the owner's count is kept as asked"
     assert "RatioBand" in _reasons(kubectl, namespace)
+    assert operator.metric("disagg_operator_ratio_band_adjustment_replicas", namespace=namespace, cluster="llm",
+                           role="prefill") == 1
+
+
+def _autoscaled(model: Path) -> dict[str, Any]:
+    """The decode role on the built-in autoscaler: one sequence per pod is its capacity, so a few
+    concurrent streams ask for a second pod; once they stop, 8 s of quiet take it away again."""
+    body = _cluster(model)
+    body["spec"]["decode"] = {"replicas": 1}
+    body["spec"]["scaling"] = {"autoscaler": {
+        "prefill": {"minReplicas": 1, "maxReplicas": 1},
+        "decode": {"minReplicas": 1, "maxReplicas": 2, "sequencesPerPod": 1},
+        "targets": {"ttftP90Ms": 600000, "tpotP90Ms": 60000},
+        "scaleUpStabilizationSeconds": 0, "scaleDownStabilizationSeconds": 8, "maxStep": 1,
+        "metricsMaxAgeSeconds": 30}}
+    return body
+
+
+class _Load:
+    """Streams of chat requests to one prefill from a few threads until stopped; every failure kept."""
+
+    def __init__(self, ip: str, streams: int = 3) -> None:
+        self.url = f"http://{ip}:{m.HTTP_PORT}/v1"
+        self.model = httpx.get(f"{self.url}/models", timeout=10).json()["data"][0]["id"]
+        self.stop = threading.Event()
+        self.done = 0
+        self.failures: list[str] = []
+        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(streams)]
+        for t in self.threads:
+            t.start()
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=60) as http:
+            while not self.stop.is_set():
+                try:
+                    r = http.post(f"{self.url}/chat/completions", json={
+                        "model": self.model, "messages": [{"role": "user", "content": "count"}],
+                        "max_tokens": 24, "temperature": 0, "ignore_eos": True})
+                    r.raise_for_status()
+                    assert r.json()["usage"]["completion_tokens"] == 24, r.text
+                    self.done += 1
+                except (httpx.HTTPError, AssertionError) as e:
+                    self.failures.append(repr(e))
+
+    def finish(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=70)
+
+
+def test_the_builtin_autoscaler_scales_on_real_load_and_back_through_drain(
+        operator: OperatorProcess, custom: client.CustomObjectsApi, kubectl: Kubectl, namespace: str,
+        tiny_model: Path) -> None:
+    custom.create_namespaced_custom_object(crd.GROUP, crd.VERSION, namespace, crd.PLURAL, _autoscaled(tiny_model),
+                                           _request_timeout=10)
+    # Before any pod serves there is nothing to read: it holds, and says why.
+    wait_until(lambda: "AutoscalerHolding" in _reasons(kubectl, namespace) or None, WAIT_S,
+               "the autoscaler saying it holds on missing metrics")
+    wait_until(lambda: _settled(kubectl, namespace, 1, 1), WAIT_S, "one prefill and one decode, linked")
+    status = kubectl.json("get", "dc", "llm", "-n", namespace)["status"]
+    assert status["scaling"]["decode"]["owner"] == "autoscaler"
+    assert {c["type"]: c["status"] for c in status["conditions"]}.get("MetricsAvailable") is not None
+
+    (prefill,) = kubectl.json("get", "pods", "-n", namespace, "-l",
+                              f"{m.CLUSTER_LABEL}=llm,{m.ROLE_LABEL}=prefill")["items"]
+    load = _Load(prefill["status"]["podIP"])
+    try:
+        started = time.monotonic()
+        wait_until(lambda: _settled(kubectl, namespace, 1, 2), WAIT_S, "a second decode, made for the load")
+        sys.stderr.write(f"load step to a second decode linked and serving: {time.monotonic() - started:.1f} s\n")
+        decode = kubectl.json("get", "dc", "llm", "-n", namespace)["status"]["scaling"]["decode"]
+        assert (decode["outcome"], decode["desired"]) in (("scale-up", 2), ("hold", 2)), decode
+        assert decode["lastScaleTime"], decode
+        served = load.done
+        wait_until(lambda: load.done >= served + 6 or None, WAIT_S, "requests served by the two decodes")
+    finally:
+        load.finish()
+    assert load.failures == [], load.failures[:3]
+
+    # The load stopped: after the scale-down window, back to one decode through a drain.
+    wait_until(lambda: _settled(kubectl, namespace, 1, 1), WAIT_S, "back to one decode")
+    reasons = _reasons(kubectl, namespace)
+    assert "Drained" in reasons and reasons.count("AutoscalerScaled") >= 2, reasons
+    assert operator.metric("disagg_operator_autoscaler_desired_replicas", namespace=namespace, cluster="llm",
+                           role="decode") == 1
+    assert operator.metric("disagg_operator_autoscaler_decisions_total", namespace=namespace, cluster="llm",
+                           role="decode", outcome="scale-up", hold="none") >= 1
