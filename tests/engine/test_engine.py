@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import random
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -351,6 +352,17 @@ async def test_call_runs_on_the_engine_thread_and_returns_or_raises(async_engine
         await async_engine.call(lambda e: e.add_request("busy", [5], GREEDY))
     await stream.aclose()
     await wait_for_free_blocks(async_engine)
+
+
+async def test_a_call_cancelled_before_it_runs_still_runs_and_the_engine_lives_on(async_engine: AsyncEngine) -> None:
+    ran = threading.Event()
+    blocker = asyncio.create_task(async_engine.call(lambda e: time.sleep(0.3)))  # holds the engine thread
+    await asyncio.sleep(0.05)
+    cancelled = asyncio.create_task(async_engine.call(lambda e: ran.set()))
+    await asyncio.sleep(0.05)
+    cancelled.cancel()  # a request that ended while its call was queued (a prefill's hand-off)
+    await blocker
+    assert await async_engine.call(lambda e: ran.is_set()) and async_engine.is_running
 
 
 async def test_shutdown_fails_open_streams(make_engine: MakeEngine) -> None:
