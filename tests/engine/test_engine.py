@@ -457,7 +457,11 @@ def _reference_prompt_logprobs(tiny_model: Callable[..., Path], prompt: list[int
 @pytest.mark.parametrize("overrides", [{}, {"max_num_batched_tokens": 5}, {"num_kv_blocks": 16}],
                          ids=["whole", "chunked", "preempted"])
 def test_prompt_logprobs_equal_transformers_and_skip_the_prefix_cache(
-        make_engine: MakeEngine, tiny_model: Callable[..., Path], overrides: dict[str, int]) -> None:
+        make_engine: MakeEngine, tiny_model: Callable[..., Path], overrides: dict[str, int],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from disagg.workers.engine import model_runner
+
+    monkeypatch.setattr(model_runner, "_PROMPT_LOGPROB_ROWS", 5)  # a step's rows in several slices
     prompt = prompts(1, [13], seed=21)[0]
     engine = make_engine(**overrides)
     run(engine, [(prompt, GREEDY)])  # the prompt's blocks are now in the prefix cache

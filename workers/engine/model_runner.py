@@ -133,13 +133,19 @@ def _prompt_logprob_rows(scheduled: SchedulerOutput) -> list[tuple[Request, int,
     return rows
 
 
+# Rows of prompt logits turned into logprobs at once: bounds the [rows, vocab] temporaries.
+_PROMPT_LOGPROB_ROWS = 256
+
+
 def _record_prompt_logprobs(logits: torch.Tensor, rows: list[tuple[Request, int, int]]) -> None:
     """logits: [len(rows), vocab] float32, row i predicting rows[i]'s prompt token."""
-    logprobs = torch.log_softmax(logits, dim=-1)
-    targets = torch.tensor([token for _, _, token in rows], dtype=torch.int64, device=logits.device)
-    counts: list[int | None] = [r.sampling_params.prompt_logprobs for r, _, _ in rows]
-    chosen = logprobs.gather(1, targets.unsqueeze(1))  # [R, 1]
-    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
-    for (request, _, _), entry, rank in zip(rows, gather_logprobs(logprobs, targets, counts), ranks):
-        assert request.prompt_logprobs is not None and entry is not None
-        request.prompt_logprobs.append(dataclasses.replace(entry, rank=rank))
+    for start in range(0, len(rows), _PROMPT_LOGPROB_ROWS):
+        part = rows[start : start + _PROMPT_LOGPROB_ROWS]
+        logprobs = torch.log_softmax(logits[start : start + len(part)], dim=-1)  # [R, vocab]
+        targets = torch.tensor([token for _, _, token in part], dtype=torch.int64, device=logits.device)
+        counts: list[int | None] = [r.sampling_params.prompt_logprobs for r, _, _ in part]
+        chosen = logprobs.gather(1, targets.unsqueeze(1))  # [R, 1]
+        ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
+        for (request, _, _), entry, rank in zip(part, gather_logprobs(logprobs, targets, counts), ranks):
+            assert request.prompt_logprobs is not None and entry is not None
+            request.prompt_logprobs.append(dataclasses.replace(entry, rank=rank))
