@@ -242,6 +242,8 @@ def test_bad_requests_are_refused_with_clear_errors(make_engine: MakeEngine) -> 
         engine.add_request("a", [1, 10**6], GREEDY)
     with pytest.raises(ValueError, match="context"):
         engine.add_request("a", list(range(3, 19)), GREEDY)
+    with pytest.raises(ValueError, match="logit_bias token ids"):
+        engine.add_request("a", [5, 6], dataclasses.replace(GREEDY, logit_bias=((10**6, 1.0),)))
     engine.add_request("a", [5, 6], GREEDY)
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("a", [5, 6], GREEDY)

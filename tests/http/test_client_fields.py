@@ -111,9 +111,12 @@ def test_vllm_prompt_logprobs_shape(http: httpx.Client, served: Any, tokenizer: 
     echoed = http.post("/v1/completions", json={**body, "echo": True, "logprobs": 0}).json()["choices"][0]
     assert echoed["logprobs"]["token_logprobs"][1 : len(ids)] == pytest.approx(
         [e[str(t)]["logprob"] for t, e in zip(ids[1:], entries[1:])])
-    chat = http.post("/v1/chat/completions", json={"model": served.model, "max_tokens": 1, "prompt_logprobs": 1,
-                                                   "messages": [{"role": "user", "content": "Hi"}]}).json()
+    chat_body = {"model": served.model, "max_tokens": 1, "prompt_logprobs": 1,
+                 "messages": [{"role": "user", "content": "Hi"}]}
+    chat = http.post("/v1/chat/completions", json=chat_body).json()
     assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    refused = http.post("/v1/chat/completions", json={**chat_body, "stream": True})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs"
 
 
 # --- batch prompts ----------------------------------------------------------------------

@@ -115,6 +115,9 @@ class LLMEngine:
                 f"the prompt has {len(prompt_token_ids)} tokens; this model's context holds "
                 f"{self.max_model_len}, including at least one generated token"
             )
+        bad = [t for t, _ in params.logit_bias if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this engine has none")
         if any(not s for s in params.stop):

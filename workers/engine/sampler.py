@@ -226,9 +226,8 @@ def _logit_bias(requests: Sequence[Request], vocab_size: int, device: torch.devi
     bias = torch.zeros(len(requests), vocab_size, dtype=torch.float32)
     for i, request in rows:
         params = request.sampling_params
-        for token_id, value in params.logit_bias:
-            if token_id < vocab_size:  # the HTTP edge refuses others; a wire peer's are dropped
-                bias[i, token_id] = value
+        for token_id, value in params.logit_bias:  # in the vocabulary: LLMEngine.check_request
+            bias[i, token_id] = value
         if request.num_min_tokens_left:
             ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
             bias[i, [t for t in ends if t < vocab_size]] = float("-inf")

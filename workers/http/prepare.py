@@ -223,6 +223,9 @@ def _sampling_params(
         )
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     _check_token_ids(req.stop_token_ids or (), model, "stop_token_ids")
+    if req.prompt_logprobs is not None and req.stream and isinstance(req, ChatCompletionRequest):
+        # A chat chunk has no place for them (vLLM refuses them too); completions stream them.
+        raise BadRequest("prompt_logprobs cannot be streamed on chat completions", "prompt_logprobs")
     grammar = guided_grammar(req)
     if req.min_tokens and grammar is not None:
         # The grammar may allow nothing but its end where min_tokens forbids it.
