@@ -295,8 +295,8 @@ class OpenAIServing:
         if num_top is None:
             return None
         entries = sampled_entries(logprobs)
-        if echo and call.prepared.echo is not None:
-            assert choice.prompt_logprobs is not None, "an echo with logprobs asks for the prompt's"
+        # An echo with logprobs asked for the prompt's; a choice aborted before its first token has none.
+        if echo and call.prepared.echo is not None and choice.prompt_logprobs is not None:
             prompt = call.prepared.prompts[choice.prompt_index]
             entries = prompt_entries(prompt, choice.prompt_logprobs) + entries
             text_offset = 0  # the echoed prompt begins the choice's text
