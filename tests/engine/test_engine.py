@@ -4,8 +4,10 @@ itself under chunking, preemption, prefix caching and batching."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -240,6 +242,8 @@ def test_bad_requests_are_refused_with_clear_errors(make_engine: MakeEngine) -> 
         engine.add_request("a", [1, 10**6], GREEDY)
     with pytest.raises(ValueError, match="context"):
         engine.add_request("a", list(range(3, 19)), GREEDY)
+    with pytest.raises(ValueError, match="logit_bias token ids"):
+        engine.add_request("a", [5, 6], dataclasses.replace(GREEDY, logit_bias=((10**6, 1.0),)))
     engine.add_request("a", [5, 6], GREEDY)
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("a", [5, 6], GREEDY)
@@ -352,6 +356,17 @@ async def test_call_runs_on_the_engine_thread_and_returns_or_raises(async_engine
     await wait_for_free_blocks(async_engine)
 
 
+async def test_a_call_cancelled_before_it_runs_still_runs_and_the_engine_lives_on(async_engine: AsyncEngine) -> None:
+    ran = threading.Event()
+    blocker = asyncio.create_task(async_engine.call(lambda e: time.sleep(0.3)))  # holds the engine thread
+    await asyncio.sleep(0.05)
+    cancelled = asyncio.create_task(async_engine.call(lambda e: ran.set()))
+    await asyncio.sleep(0.05)
+    cancelled.cancel()  # a request that ended while its call was queued (a prefill's hand-off)
+    await blocker
+    assert await async_engine.call(lambda e: ran.is_set()) and async_engine.is_running
+
+
 async def test_shutdown_fails_open_streams(make_engine: MakeEngine) -> None:
     engine = AsyncEngine(make_engine())
     engine.start()
@@ -426,3 +441,78 @@ def test_reserve_request_refuses_what_never_fits_or_does_not_fit_now(make_engine
         engine.reserve_request("a", [5], GREEDY)
     assert engine.abort_request("a")
     engine.step()  # delivers the abort
+
+
+# --- prompt logprobs, logit_bias, min_tokens ------------------------------------------
+
+
+def _reference_prompt_logprobs(tiny_model: Callable[..., Path], prompt: list[int]) -> torch.Tensor:
+    """[len(prompt) - 1, vocab]: transformers' logprobs of each next prompt token's position."""
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_model("llama"), dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt])).logits[0, :-1].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"max_num_batched_tokens": 5}, {"num_kv_blocks": 16}],
+                         ids=["whole", "chunked", "preempted"])
+def test_prompt_logprobs_equal_transformers_and_skip_the_prefix_cache(
+        make_engine: MakeEngine, tiny_model: Callable[..., Path], overrides: dict[str, int],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from disagg.workers.engine import model_runner
+
+    monkeypatch.setattr(model_runner, "_PROMPT_LOGPROB_ROWS", 5)  # a step's rows in several slices
+    prompt = prompts(1, [13], seed=21)[0]
+    engine = make_engine(**overrides)
+    run(engine, [(prompt, GREEDY)])  # the prompt's blocks are now in the prefix cache
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, prompt_logprobs=2)
+    # Others alongside: chunks, preemption (in the small pool) and recompute must not repeat or skip a position.
+    batch = [(prompt, params)] + [(p, GREEDY) for p in prompts(3, [11, 9, 14], seed=22)]
+    results = run(engine, batch)
+    got = [o.prompt_logprobs for o in results[0].outputs if o.prompt_logprobs is not None]
+    assert len(got) == 1, "prompt logprobs come once, with the first token"
+    entries = got[0]
+    assert len(entries) == len(prompt) and entries[0] is None
+    reference = _reference_prompt_logprobs(tiny_model, prompt)
+    for position, entry in enumerate(entries[1:]):
+        assert entry is not None and entry.token_id == prompt[position + 1]
+        row = reference[position]
+        assert entry.logprob == pytest.approx(row[entry.token_id].item(), abs=1e-4)
+        assert entry.rank == int((row > row[entry.token_id]).sum()) + 1
+        assert [t for t, _ in entry.top] == row.topk(2).indices.tolist()
+    assert results[0].token_ids == tokens(run(engine, [(prompt, GREEDY)]))[0]
+
+
+def test_logit_bias_moves_greedy_choices(make_engine: MakeEngine) -> None:
+    engine = make_engine()
+    prompt = prompts(1, [6], seed=23)[0]
+    free = tokens(run(engine, [(prompt, GREEDY)]))[0]
+    forced = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logit_bias=((77, 100.0),))
+    assert tokens(run(engine, [(prompt, forced)]))[0] == [77] * 8
+    banned = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logit_bias=((free[0], -100.0),))
+    out = tokens(run(engine, [(prompt, banned)]))[0]
+    assert free[0] not in out and out != free
+    # A biased row does not change its unbiased neighbours in the batch.
+    assert tokens(run(engine, [(prompt, forced), (prompt, GREEDY)]))[1] == free
+
+
+def test_min_tokens_holds_back_eos_stop_tokens_and_stop_strings(make_engine: MakeEngine) -> None:
+    engine = make_engine()
+    eos = min(engine.stop_checker.eos_token_ids)
+    prompt = prompts(1, [6], seed=24)[0]
+    eager = SamplingParams(temperature=0.0, max_tokens=8, logit_bias=((eos, 100.0),))
+    assert tokens(run(engine, [(prompt, eager)]))[0] == [eos]
+    waited = run(engine, [(prompt, SamplingParams(temperature=0.0, max_tokens=8, logit_bias=((eos, 100.0),),
+                                                  min_tokens=3))])[0]
+    assert waited.token_ids[:3] != [eos] * 3 and eos not in waited.token_ids[:3]
+    assert waited.token_ids[3] == eos and waited.final.finish_reason == "stop"
+    free = run(engine, [(prompt, GREEDY)])[0]
+    stop_id = free.token_ids[0]
+    held = run(engine, [(prompt, dataclasses.replace(GREEDY, stop_token_ids=(stop_id,), min_tokens=4))])[0]
+    assert stop_id not in held.token_ids[:4]
+    stop_text = free.text[:2]
+    assert stop_text, "the random model's text is too short"
+    late = run(engine, [(prompt, dataclasses.replace(GREEDY, stop=(stop_text,), min_tokens=8))])[0]
+    assert late.final.finish_reason == "length" and late.text.startswith(stop_text)

@@ -136,3 +136,40 @@ def test_missing_folder_is_a_clear_error(tmp_path: Path) -> None:
         Tokenizer.from_dir(tmp_path / "nope")
     with pytest.raises(ValueError, match="cannot load a tokenizer"):
         Tokenizer.from_dir(tmp_path)
+
+
+def test_token_bytes_of_byte_level_pieces_rebuild_the_text(tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode(MULTIBYTE, add_special_tokens=False)
+    pieces = [tokenizer.token_bytes(i) for i in ids]
+    assert b"".join(pieces) == MULTIBYTE.encode()
+    # Some token holds part of a character only: its bytes are that part, not U+FFFD's.
+    partial = [p for p in pieces if not _is_utf8(p)]
+    assert partial and all(p != "\ufffd".encode() for p in partial)
+    bos = tokenizer.bos_token_id
+    assert bos is not None and tokenizer.token_bytes(bos) == b"<s>"
+
+
+def _is_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def test_token_bytes_of_sentencepiece_byte_fallback_pieces() -> None:
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    # A SentencePiece-style vocabulary: "▁" marks a word start, "<0xE2>" pieces stand for single bytes.
+    vocab = {"<unk>": 0, "▁hi": 1, "h": 2, "i": 3, "▁": 4,
+             **{f"<0x{b:02X}>": 5 + b for b in range(256)}}
+    raw = RawTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    raw.pre_tokenizer = pre_tokenizers.Metaspace()
+    raw.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    sp = Tokenizer(PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>"))
+    ids = sp.encode("hi €", add_special_tokens=False)
+    assert [sp.token_bytes(i) for i in ids[-3:]] == [b"\xe2", b"\x82", b"\xac"]
+    assert b"".join(sp.token_bytes(i) for i in ids) == " hi €".encode()  # Metaspace adds the leading space
+    assert sp.token_bytes(1) == b" hi"

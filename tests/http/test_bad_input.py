@@ -62,7 +62,9 @@ BAD_INPUTS = [
     ("logprobs-too-many", COMPLETIONS, json.dumps(_completion(logprobs=50)), "logprobs"),
     ("top-logprobs-without-logprobs", CHAT, json.dumps(_chat(top_logprobs=2)), "logprobs"),
     ("wrong-type", COMPLETIONS, json.dumps(_completion(max_tokens="many")), "max_tokens"),
-    ("prompt-batch", COMPLETIONS, json.dumps(_completion(prompt=["a", "b"])), "one prompt"),
+    ("prompt-batch-too-large", COMPLETIONS, json.dumps(_completion(prompt=["a"] * 65)), "at most 64 prompts"),
+    ("prompt-batch-empty-item", COMPLETIONS, json.dumps(_completion(prompt=["a", ""])), "must not be empty"),
+    ("prompt-batch-of-ids-outside", COMPLETIONS, json.dumps(_completion(prompt=[[1], [99999]])), "token ids"),
     # Hostile input (issue 15): each was a 5xx, an aborted batch, or accepted.
     ("lone-surrogate", COMPLETIONS, json.dumps(_completion(prompt="Hi \ud800 there")), "JSON"),
     ("lone-surrogate-chat", CHAT, json.dumps(_chat(messages=[{"role": "user", "content": "\ud800"}])), "JSON"),

@@ -30,15 +30,15 @@ REFUSED_CASES = [
     (CHAT, "response_format", {"type": "xml"}),
     (CHAT, "guided_regex", "[a-"),
     (CHAT, "guided_decoding_backend", "xgrammar"),
-    (CHAT, "logit_bias", {"5": 10}),
-    (COMPLETIONS, "logit_bias", {"5": -100}),
+    (CHAT, "logit_bias", {"5": 101}),
+    (COMPLETIONS, "logit_bias", {"99999": -100}),
     (COMPLETIONS, "best_of", 3),
     (COMPLETIONS, "suffix", "the end"),
     (CHAT, "modalities", ["text", "audio"]),
     (CHAT, "audio", {"voice": "alloy", "format": "wav"}),
     (CHAT, "echo", True),
-    (COMPLETIONS, "prompt_logprobs", 1),
-    (COMPLETIONS, "min_tokens", 3),
+    (COMPLETIONS, "prompt_logprobs", 21),
+    (COMPLETIONS, "min_tokens", 3),  # more than max_tokens
     (CHAT, "guided_choice", []),
     (COMPLETIONS, "guided_json", {"type": "wat"}),
     (CHAT, "use_beam_search", True),
@@ -125,7 +125,7 @@ def test_openai_client_gets_a_bad_request_naming_the_field(client: openai.OpenAI
                                        functions=[{"name": "f"}], function_call="auto")
     assert caught.value.param in ("functions", "function_call")
     with pytest.raises(openai.BadRequestError) as caught:
-        client.completions.create(model=served.model, prompt="Hi", max_tokens=2, logit_bias={"7": 50})
+        client.completions.create(model=served.model, prompt="Hi", max_tokens=2, logit_bias={"7": 500})
     assert caught.value.param == "logit_bias"
     ok = client.chat.completions.create(model=served.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
                                         user="u1", metadata={"a": "b"}, store=False, service_tier="auto")

@@ -111,6 +111,37 @@ def test_greedy_outputs_equal_the_mixed_role(cluster: Cluster, mode: str, stream
     assert sent > 0, "the KV went over the data path"
 
 
+@pytest.mark.parametrize("mode", ["PUSH", "PULL"])
+def test_client_fields_through_pd_equal_the_mixed_role(cluster: Cluster, mode: str) -> None:
+    """Echo with prompt logprobs (lm-eval's loglikelihood request), a batch of prompts with n,
+    logit_bias and min_tokens: a prefill's answer is the mixed worker's (issue 16 item 4)."""
+    prefill = cluster.push if mode == "PUSH" else cluster.pull
+    requests: list[dict[str, Any]] = [
+        {"prompt": prompt_of(9), "max_tokens": 0, "echo": True, "logprobs": 1},
+        {"prompt": prompt_of(9), "max_tokens": 1, "echo": True, "logprobs": 2, "prompt_logprobs": 1},
+        {"prompt": [prompt_of(5), prompt_of(17, 1)], "n": 2, "max_tokens": 6, "ignore_eos": True},
+        {"prompt": prompt_of(8), "max_tokens": 6, "logit_bias": {"77": 100}, "ignore_eos": True},
+        {"prompt": prompt_of(8), "max_tokens": 6, "min_tokens": 3, "logit_bias": {"1": 100}},
+    ]
+    for body in requests:
+        body = {"model": MODEL, "temperature": 0, "return_token_ids": True, **body}
+        want = httpx.post(f"{cluster.mixed.base_url}/v1/completions", json=body, timeout=120.0).json()
+        got = httpx.post(f"{prefill.base_url}/v1/completions", json=body, timeout=120.0).json()
+        assert "choices" in got and "choices" in want, (body, got, want)
+        assert [c["index"] for c in got["choices"]] == [c["index"] for c in want["choices"]], body
+        for mine, theirs in zip(got["choices"], want["choices"]):
+            assert (mine["text"], mine["token_ids"], mine["finish_reason"]) == \
+                (theirs["text"], theirs["token_ids"], theirs["finish_reason"]), body
+            if theirs["logprobs"] is not None:
+                assert mine["logprobs"]["tokens"] == theirs["logprobs"]["tokens"]
+                assert mine["logprobs"]["token_logprobs"][0] is None
+                assert mine["logprobs"]["token_logprobs"][1:] == pytest.approx(theirs["logprobs"]["token_logprobs"][1:],
+                                                                               abs=1e-4)
+            assert (mine["prompt_logprobs"] is None) == (theirs["prompt_logprobs"] is None)
+        assert got["usage"]["completion_tokens"] == want["usage"]["completion_tokens"]
+        assert got["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"]
+
+
 def test_two_prefills_two_decodes_under_concurrent_load(cluster: Cluster) -> None:
     prompts = [prompt_of(n, salt=s) for s in (1, 2) for n in PROMPT_LENGTHS]
     received = [d.metric("disagg_kv_transfer_bytes_total", direction="received") for d in cluster.decodes]

@@ -290,10 +290,17 @@ class AsyncEngine(Generic[E]):
                 self.engine.abort_request(command.request_id)
                 continue
             if isinstance(command, _Call):
+                # NOTE: a caller cancelled meanwhile (its request ended) still gets its call run, for
+                # the engine state it asked for, but no result: setting one would raise here.
+                wanted = command.future.set_running_or_notify_cancel()
                 try:
-                    command.future.set_result(command.fn(self.engine))
+                    result = command.fn(self.engine)
                 except Exception as exc:  # handed to the caller's event loop
-                    command.future.set_exception(exc)
+                    if wanted:
+                        command.future.set_exception(exc)
+                    continue
+                if wanted:
+                    command.future.set_result(result)
                 continue
             try:
                 if isinstance(command, _Admit):

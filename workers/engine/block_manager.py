@@ -58,8 +58,9 @@ class BlockManager:
 
         Leaves at least the last token uncached: it must run to give logits.
         Takes no references; pass the result to `can_allocate`/`allocate`.
+        Nothing for a request that asks for prompt logprobs: every prompt position must run.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.prompt_logprobs is not None:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
         self._extend_hashes(request, max_blocks)

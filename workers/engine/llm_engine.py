@@ -82,9 +82,10 @@ class LLMEngine:
             loaded.model.pack_weights()
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.model_runner = ModelRunner(loaded.model, self.kv_cache, loaded.config.vocab_size, device, config.seed)
-        eos = set(loaded.config.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else ())
-        self.stop_checker = StopChecker(frozenset(eos), self.max_model_len)
+        eos = frozenset(loaded.config.eos_token_ids) | frozenset(tokenizer.eos_token_ids if tokenizer else ())
+        self.model_runner = ModelRunner(loaded.model, self.kv_cache, loaded.config.vocab_size, device, config.seed,
+                                        eos)
+        self.stop_checker = StopChecker(eos, self.max_model_len)
         self.layer_hook: LayerHook | None = None
         self._finished_between_steps: list[Request] = []  # reported by the next step
         self.grammars = Grammars(tokenizer, loaded.config.vocab_size) if tokenizer else None
@@ -114,6 +115,9 @@ class LLMEngine:
                 f"the prompt has {len(prompt_token_ids)} tokens; this model's context holds "
                 f"{self.max_model_len}, including at least one generated token"
             )
+        bad = [t for t, _ in params.logit_bias if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this engine has none")
         if any(not s for s in params.stop):
@@ -295,6 +299,9 @@ class LLMEngine:
         visible = self.stop_checker.num_visible_chars(request)
         new_text = request.output_text[request.num_sent_chars : visible]
         logprobs = list(request.pending_logprobs) if request.sampling_params.logprobs is not None else None
+        prompt_logprobs = None
+        if request.prompt_logprobs is not None and not request.prompt_logprobs_sent and new_tokens:
+            prompt_logprobs, request.prompt_logprobs_sent = list(request.prompt_logprobs), True
         request.num_sent_tokens = request.num_output_tokens
         request.num_sent_chars = max(request.num_sent_chars, visible)
         request.pending_logprobs.clear()
@@ -309,6 +316,7 @@ class LLMEngine:
             num_output_tokens=request.num_output_tokens,
             num_cached_tokens=request.num_cached_tokens,
             new_logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             stop_reason=request.stop_reason,
             handed_off=handed_off,
         )
@@ -353,14 +361,16 @@ class StopChecker:
         Returns the finished status, or None to go on."""
         params = request.sampling_params
         token = request.last_token_id
+        # Before min_tokens (as vLLM), no stop token, end of sequence or stop string ends it.
+        may_stop = request.num_output_tokens >= params.min_tokens
         # Stop and end-of-sequence tokens finish the request without adding text.
-        if token in params.stop_token_ids:
+        if may_stop and token in params.stop_token_ids:
             request.stop_reason = token
             status: RequestStatus | None = RequestStatus.FINISHED_STOPPED
-        elif not params.ignore_eos and token in self.eos_token_ids:
+        elif may_stop and not params.ignore_eos and token in self.eos_token_ids:
             status = RequestStatus.FINISHED_STOPPED
         else:
-            if request.detokenizer is not None and self._add_text(request, request.detokenizer.add([token])):
+            if request.detokenizer is not None and self._add_text(request, request.detokenizer.add([token]), may_stop):
                 return RequestStatus.FINISHED_STOPPED
             too_long = request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len
             status = RequestStatus.FINISHED_LENGTH if too_long else None
@@ -385,13 +395,13 @@ class StopChecker:
         return len(text) - hold
 
     @staticmethod
-    def _add_text(request: Request, delta: str) -> bool:
-        """Append text; on a stop string, cut the text before it and return True."""
+    def _add_text(request: Request, delta: str, check_stops: bool = True) -> bool:
+        """Append text; on a stop string (if checked), cut the text before it and return True."""
         if not delta:
             return False
         old_len = len(request.output_text)
         text = request.output_text + delta
-        stops = request.sampling_params.stop
+        stops = request.sampling_params.stop if check_stops else ()
         if stops:
             # A match may begin in the held-back tail of the old text.
             start = max(0, old_len - max(len(s) for s in stops) + 1)

@@ -21,6 +21,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), most likely first
+    rank: int | None = None  # 1 + the number of likelier tokens; given for prompt logprobs
 
 
 @dataclass
@@ -42,6 +43,8 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     new_logprobs: list[TokenLogprob] | None = None
+    # Once, with the first token, when asked for: one entry per prompt token (the first is None).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     stop_reason: int | str | None = field(default=None)  # the stop token id or string that matched
     handed_off: bool = False
     served_by: str | None = None  # which workers served it, when not one engine alone (PD: usage.served_by)

@@ -117,6 +117,10 @@ class Request:
         self.num_sent_chars = 0
         self.num_sent_tokens = 0
         self.pending_logprobs: list[TokenLogprob] = []
+        # Asked-for prompt logprobs: entry i is token i's (token 0 has none); filled chunk by chunk.
+        self.prompt_logprobs: list[TokenLogprob | None] | None = (
+            None if sampling_params.prompt_logprobs is None else [None])
+        self.prompt_logprobs_sent = False
         # Structured outputs: the grammar state, advanced by every appended token.
         self.constraint = constraint
 
@@ -157,6 +161,16 @@ class Request:
     @property
     def last_token_id(self) -> int:
         return self.token_ids[-1]
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Prompt logprobs are asked for and not all computed yet."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+
+    @property
+    def num_min_tokens_left(self) -> int:
+        """Output tokens still to come before the request may stop (`min_tokens`)."""
+        return max(0, self.sampling_params.min_tokens - self.num_output_tokens)
 
     def block_token_ids(self, block_index: int) -> list[int]:
         start = block_index * self.block_size

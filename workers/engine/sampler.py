@@ -1,8 +1,9 @@
 """Pick the next token of every sampling sequence from its logits, in a few
 batched tensor ops.
 
-Order, as in Hugging Face `generate`: penalties on the raw logits, then
-temperature, top-k, top-p and min-p, then a draw. Greedy rows take the
+Order, as in Hugging Face `generate`: `logit_bias` and the `min_tokens` mask
+(end-of-sequence and stop tokens at -inf until enough are made), penalties,
+then temperature, top-k, top-p and min-p, then a draw. Greedy rows take the
 argmax of the penalized logits. Reported logprobs are those of the raw
 model distribution (what OpenAI's `logprobs` means), after the grammar's mask
 on a constrained row (structured outputs, as vLLM reports them).
@@ -42,9 +43,11 @@ class SamplingMetadata:
     num_logprobs: list[int | None]  # [N], alternatives each row reports
     all_greedy: bool
     allowed: torch.Tensor | None = None  # [N, V] bool, the grammar's tokens; None: no row constrained
+    bias: torch.Tensor | None = None  # [N, V] float32 added to the logits; None: no row has one
 
     @classmethod
-    def from_requests(cls, requests: Sequence[Request], vocab_size: int, device: torch.device) -> SamplingMetadata:
+    def from_requests(cls, requests: Sequence[Request], vocab_size: int, device: torch.device,
+                      eos_token_ids: frozenset[int] = frozenset()) -> SamplingMetadata:
         params = [r.sampling_params for r in requests]
         greedy = [p.is_greedy for p in params]
         all_greedy = all(greedy)
@@ -76,6 +79,7 @@ class SamplingMetadata:
             num_logprobs=[p.logprobs for p in params],
             all_greedy=all_greedy,
             allowed=_allowed_tokens(requests, vocab_size, device),
+            bias=_logit_bias(requests, vocab_size, device, eos_token_ids),
         )
 
 
@@ -100,6 +104,8 @@ class Sampler:
         raw_logprobs = None
         if any(k is not None for k in meta.num_logprobs):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
+        if meta.bias is not None:
+            logits = logits + meta.bias
         logits = apply_penalties(logits, meta)
         tokens = logits.argmax(dim=-1)  # [N]
         if not meta.all_greedy:
@@ -208,6 +214,24 @@ def _allowed_tokens(requests: Sequence[Request], vocab_size: int, device: torch.
     for i, constraint in rows:
         allowed[i] = constraint.allowed()
     return allowed.to(device)
+
+
+def _logit_bias(requests: Sequence[Request], vocab_size: int, device: torch.device,
+                eos_token_ids: frozenset[int]) -> torch.Tensor | None:
+    """[N, V] float32: each row's `logit_bias`, and -inf on the tokens that would end
+    it before its `min_tokens` (EOS unless ignored, stop tokens); None when no row has either."""
+    rows = [(i, r) for i, r in enumerate(requests) if r.sampling_params.logit_bias or r.num_min_tokens_left]
+    if not rows:
+        return None
+    bias = torch.zeros(len(requests), vocab_size, dtype=torch.float32)
+    for i, request in rows:
+        params = request.sampling_params
+        for token_id, value in params.logit_bias:  # in the vocabulary: LLMEngine.check_request
+            bias[i, token_id] = value
+        if request.num_min_tokens_left:
+            ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+            bias[i, [t for t in ends if t < vocab_size]] = float("-inf")
+    return bias.to(device)
 
 
 def _token_counts(token_lists: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:

@@ -11,6 +11,7 @@ MAX_LOGPROBS = 20
 # Token ids and top_k travel as int32 (xLLM's protobuf) and index int64 tensors.
 MAX_TOKEN_ID = 2**31 - 1
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range of a logit_bias value: [-100, 100]
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k: the sampled token's logprob and k alternatives
+    # None: none; k: each prompt token's logprob (the first has none) and its k alternatives,
+    # from the prompt's own forward (a request asking for them skips the prefix cache)
+    prompt_logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, value added to its logit), ids ascending
+    min_tokens: int = 0  # end-of-sequence, stop tokens and stop strings wait until this many are made
     skip_special_tokens: bool = True
     grammar: str | None = None  # llguidance's grammar text (engine/grammar.py): constrained decoding
     # Tokens of this sequence already made elsewhere (a migrated stream continues after them, and
@@ -78,8 +84,16 @@ class SamplingParams:
         bad_stops = [t for t in self.stop_token_ids if not 0 <= t <= MAX_TOKEN_ID]
         if bad_stops:
             out.append(f"stop_token_ids must be token ids in [0, {MAX_TOKEN_ID}], got {bad_stops[:5]}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            out.append(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
+        for name, count in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)):
+            if count is not None and not 0 <= count <= MAX_LOGPROBS:
+                out.append(f"{name} must be between 0 and {MAX_LOGPROBS}, got {count}")
+        bad_bias = [(t, v) for t, v in self.logit_bias
+                    if not (0 <= t <= MAX_TOKEN_ID and math.isfinite(v) and abs(v) <= MAX_LOGIT_BIAS)]
+        if bad_bias:
+            out.append(f"logit_bias must map token ids in [0, {MAX_TOKEN_ID}] to numbers between "
+                       f"{-MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}, got {bad_bias[:5]}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            out.append(f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens}")
         return out
 
     @property

@@ -3,7 +3,9 @@ ids, and incremental detokenization for streaming."""
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,6 +32,8 @@ FALLBACK_CHAT_TEMPLATE = (
 _DETOKENIZER_CONTEXT = 6
 
 _REPLACEMENT_CHAR = "\ufffd"
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
+_SPACE_PIECE = "\u2581"  # SentencePiece's word boundary: a space
 
 
 class Tokenizer:
@@ -98,6 +102,31 @@ class Tokenizer:
     def token_text(self, token_id: int) -> str:
         """The text of one token alone, special tokens included (for logprobs)."""
         return self.decode([token_id], skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, a part of a character included (a byte-fallback
+        piece, or a byte-level piece that splits one), so that concatenating the bytes of a
+        text's tokens rebuilds the text's UTF-8 exactly."""
+        piece = self.hf.convert_ids_to_tokens(token_id)
+        if not isinstance(piece, str) or token_id in self._added_token_ids:
+            return self.token_text(token_id).encode("utf-8")
+        if (byte := _BYTE_PIECE.fullmatch(piece)) is not None:
+            return bytes([int(byte.group(1), 16)])
+        if self._is_byte_level:
+            return bytes(_byte_level_alphabet()[c] for c in piece)
+        return piece.replace(_SPACE_PIECE, " ").encode("utf-8")
+
+    @functools.cached_property
+    def _added_token_ids(self) -> frozenset[int]:
+        return frozenset(int(i) for i in self.hf.get_added_vocab().values())
+
+    @functools.cached_property
+    def _is_byte_level(self) -> bool:
+        """Whether pieces spell bytes in GPT-2's byte-level alphabet (checked on the whole vocabulary)."""
+        alphabet = _byte_level_alphabet()
+        decoder = getattr(getattr(self.hf, "backend_tokenizer", None), "decoder", None)
+        return type(decoder).__name__ == "ByteLevel" and all(
+            c in alphabet for piece, i in self.hf.get_vocab().items() if i not in self._added_token_ids for c in piece)
 
     # --- chat -----------------------------------------------------------
 
@@ -199,6 +228,21 @@ class IncrementalDetokenizer:
             self._prefix = self._read - _DETOKENIZER_CONTEXT
         self._text_parts.append(delta)
         return delta
+
+
+@functools.cache
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level spelling of bytes as characters: printable Latin-1 bytes stand
+    for themselves, the other bytes, in order, for the code points from 256 up."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)}
+    alphabet, others = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            alphabet[chr(byte)] = byte
+        else:
+            alphabet[chr(256 + others)] = byte
+            others += 1
+    return alphabet
 
 
 def _eos_ids_from_configs(model_dir: Path) -> list[int]:

@@ -30,9 +30,9 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from disagg.workers.http.backend import NO_CLIENT_API, Backend, Health
+from disagg.workers.http.backend import NO_CLIENT_API, Backend, Health, ModelInfo
 from disagg.workers.http.edge import Admission, RequestCheck, bearer_check, max_in_flight, read_body
-from disagg.workers.http.errors import APIError, NotReady, install_error_handlers
+from disagg.workers.http.errors import APIError, NoSuchModel, NotReady, install_error_handlers
 from disagg.workers.http.fanout import ClientDisconnected
 from disagg.workers.http.prepare import Prepared, prepare_chat, prepare_completion
 from disagg.workers.http.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, random_id
@@ -119,8 +119,14 @@ def build_app(state: AppState, client_api: bool = True, api_key: str | None = No
 
     @app.get("/v1/models", dependencies=auth)
     async def models() -> ModelList:
-        model = state.require_ready().model
-        return ModelList(data=[ModelCard(id=model.name, root=model.source, max_model_len=model.max_model_len)])
+        return ModelList(data=[_model_card(state.require_ready().model)])
+
+    @app.get("/v1/models/{model_id:path}", dependencies=auth)
+    async def model(model_id: str) -> ModelCard:
+        info = state.require_ready().model
+        if model_id != info.name:
+            raise NoSuchModel(model_id)
+        return _model_card(info)
 
     if not client_api:
 
@@ -171,6 +177,10 @@ def build_admin_app(state: AppState, check: RequestCheck | None = None) -> FastA
     return app
 
 
+def _model_card(model: ModelInfo) -> ModelCard:
+    return ModelCard(id=model.name, root=model.source, max_model_len=model.max_model_len)
+
+
 def _add_metrics_route(app: FastAPI, state: AppState) -> None:
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -215,18 +225,20 @@ async def _answer(state: AppState, kind: type[CompletionRequest | ChatCompletion
     call = Call(
         "chat" if is_chat else "completion", random_id("chatcmpl" if is_chat else "cmpl"), serving.backend.model.name,
         prepared, body.return_token_ids, include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        prompt_logprobs=body.prompt_logprobs,
     )
     wait_disconnect = _disconnect_waiter(request)
-    # Each of n choices is a sequence in the engine.
-    state.admission.enter(prepared.params.n)
+    # Each of n choices of each prompt is a sequence in the engine.
+    sequences = prepared.params.n * len(prepared.prompts)
+    state.admission.enter(sequences)
     if body.stream:
-        return _AdmittedStream(serving.stream(call, wait_disconnect), lambda: state.admission.leave(prepared.params.n))
+        return _AdmittedStream(serving.stream(call, wait_disconnect), lambda: state.admission.leave(sequences))
     try:
         response = await serving.respond(call, wait_disconnect)
     except ClientDisconnected:
         return Response(status_code=_CLIENT_CLOSED)
     finally:
-        state.admission.leave(prepared.params.n)
+        state.admission.leave(sequences)
     return JSONResponse(response.model_dump())
 
 

@@ -20,16 +20,17 @@ class APIError(Exception):
     """An error to answer with, at the status and OpenAI type it names."""
 
     def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error", param: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
         self.type = type
         self.param = param
         self.headers = headers
+        self.code = code  # OpenAI's error code where it names one; else the status
 
     def response(self) -> JSONResponse:
-        response = error_response(self.message, self.status, self.type, self.param)
+        response = error_response(self.message, self.status, self.type, self.param, self.code)
         response.headers.update(self.headers or {})
         return response
 
@@ -42,6 +43,13 @@ class BadRequest(APIError):
 class ModelNotFound(APIError):
     def __init__(self, model: str, served: str) -> None:
         super().__init__(f"The model `{model}` does not exist; this server serves `{served}`.", 404, "model_not_found", "model")
+
+
+class NoSuchModel(APIError):
+    """GET /v1/models/{id} of another model: OpenAI's answer, word for word in shape."""
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"The model '{model}' does not exist", 404, "invalid_request_error", code="model_not_found")
 
 
 class NotReady(APIError):
@@ -78,8 +86,9 @@ class Overloaded(APIError):
                          429, "rate_limit_error", headers={"Retry-After": str(retry_after_s)})
 
 
-def error_response(message: str, status: int, type: str, param: str | None = None) -> JSONResponse:
-    body = ErrorResponse(error=ErrorInfo(message=message, type=type, code=status, param=param))
+def error_response(message: str, status: int, type: str, param: str | None = None,
+                   code: str | None = None) -> JSONResponse:
+    body = ErrorResponse(error=ErrorInfo(message=message, type=type, code=status if code is None else code, param=param))
     return JSONResponse(body.model_dump(), status_code=status)
 
 

@@ -1,8 +1,9 @@
-"""Runs the `n` choices of one API request as `n` backend sequences.
+"""Runs the `n` choices of each prompt of one API request as backend sequences.
 
 The engine runs one sequence per request, so choice `i` of request `R` is the
-backend request `R-i`, with seed `seed + i` (distinct but reproducible
-samples). Their outputs are merged into one stream. Whatever ends the stream
+backend request `R-i`: with a batch of prompts (/v1/completions), choice j of
+prompt p has index `i = p * n + j` (OpenAI's and vLLM's numbering) and seed
+`seed + j` (distinct but reproducible samples, the same whatever the batch). Their outputs are merged into one stream. Whatever ends the stream
 early (the client went away, an error, the consumer stopped reading) aborts
 every choice that has not finished, so no KV blocks stay held.
 """
@@ -36,11 +37,11 @@ def choice_params(params: SamplingParams, index: int) -> SamplingParams:
 async def stream_choices(
     backend: Backend,
     request_id: str,
-    prompt_token_ids: Sequence[int],
+    prompts: Sequence[Sequence[int]],
     params: SamplingParams,
     wait_disconnect: Callable[[], Awaitable[None]] | None = None,
 ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
-    """Yield (choice index, delta) until every choice has finished.
+    """Yield (choice index, delta) until every choice of every prompt has finished.
 
     Args:
         wait_disconnect: returns when the client has gone away; the stream
@@ -48,12 +49,13 @@ async def stream_choices(
     Use it with `contextlib.aclosing`, so that the aborts run as soon as the
     consumer stops.
     """
-    n = params.n
+    n = params.n * len(prompts)
     ids = [choice_request_id(request_id, i) for i in range(n)]
 
     async def choice(i: int) -> AsyncIterator[RequestOutput]:
         finished = False
-        async for out in backend.generate(ids[i], prompt_token_ids, choice_params(params, i)):
+        prompt, j = divmod(i, params.n)
+        async for out in backend.generate(ids[i], prompts[prompt], choice_params(params, j)):
             finished = out.finished
             yield out
         if not finished:

@@ -52,7 +52,6 @@ REFUSED: dict[str, Refused] = {
     # OpenAI
     "functions": Refused(_LEGACY_FUNCTIONS, _is([])),
     "function_call": Refused(_LEGACY_FUNCTIONS, _is("none")),
-    "logit_bias": Refused("logit_bias is not supported", _is({})),
     "best_of": Refused("best_of other than n is not supported", _best_of_noop),
     "suffix": Refused("suffix (insertion) is not supported", _is("")),
     "audio": Refused("audio output is not supported"),
@@ -62,12 +61,10 @@ REFUSED: dict[str, Refused] = {
     "reasoning_effort": Refused("this model has no reasoning mode"),
     "verbosity": Refused("this model has no verbosity control"),
     # vLLM's extensions
-    "echo": Refused("echo is not supported", _is(False)),
+    "echo": Refused("echo is supported on /v1/completions only", _is(False)),
     "structural_tag": Refused("structural tags are not supported"),
     "guided_decoding_backend": Refused("the structured-output backend is fixed (llguidance)"),
     "guided_whitespace_pattern": Refused("JSON output is compact; its whitespace cannot be chosen"),
-    "prompt_logprobs": Refused("prompt_logprobs is not supported"),
-    "min_tokens": Refused("min_tokens is not supported", _is(0)),
     "use_beam_search": Refused("beam search is not supported", _is(False)),
     "length_penalty": Refused("length_penalty (beam search) is not supported", _is(1.0, 1)),
     "include_stop_str_in_output": Refused("include_stop_str_in_output is not supported", _is(False)),

@@ -12,7 +12,7 @@ from typing import Any
 from jinja2 import TemplateError
 
 from disagg.workers.engine.grammar import GrammarKind, build_grammar
-from disagg.workers.engine.sampling_params import SamplingParams
+from disagg.workers.engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 from disagg.workers.engine.tokenizer import Tokenizer
 from disagg.workers.http.backend import ModelInfo
 from disagg.workers.http.errors import BadRequest, ModelNotFound
@@ -20,12 +20,29 @@ from disagg.workers.http.fields import check_extra_fields, check_message_fields
 from disagg.workers.http.protocol import CHAT_ROLES, ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
 from disagg.workers.http.tools import ToolPlan, history_calls, plan_tools, render_input
 
+MAX_BATCH_PROMPTS = 64  # prompts of one /v1/completions request: each runs as its own sequences
+
+
+@dataclass(frozen=True)
+class Echo:
+    """/v1/completions' `echo`: each prompt's text (and logprobs, if asked) comes before its choices' output."""
+
+    texts: tuple[str, ...]  # one per prompt
+    drop_output: bool  # `max_tokens: 0`: the token made to end the prompt's forward is not returned
+
 
 @dataclass(frozen=True)
 class Prepared:
     prompt_token_ids: list[int]
     params: SamplingParams
     tools: ToolPlan | None = None  # offered tools: the output is parsed for calls
+    # /v1/completions' batch: the further prompts; prompt i's choices have indexes i * n ... i * n + n - 1.
+    more_prompts: tuple[list[int], ...] = ()
+    echo: Echo | None = None
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        return [self.prompt_token_ids, *self.more_prompts]
 
 
 def check_model(requested: str, model: ModelInfo) -> None:
@@ -36,23 +53,42 @@ def check_model(requested: str, model: ModelInfo) -> None:
 def prepare_completion(req: CompletionRequest, model: ModelInfo, tokenizer: Tokenizer) -> Prepared:
     check_model(req.model, model)
     check_extra_fields(req)
-    if req.echo:
-        raise BadRequest("echo is not supported", "echo")
-    prompt = req.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-        if len(prompt) != 1:
-            raise BadRequest("a batch of prompts is not supported: send one prompt per request", "prompt")
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        if not prompt:
+    prompts = _prompts(req.prompt)
+    if len(prompts) > MAX_BATCH_PROMPTS:
+        raise BadRequest(f"at most {MAX_BATCH_PROMPTS} prompts per request, got {len(prompts)}", "prompt")
+    texts: list[str] = []
+    all_ids: list[list[int]] = []
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            ids = tokenizer.encode(prompt) if prompt else []
+        else:
+            ids = list(prompt)
+            _check_token_ids(ids, model)
+        if not ids:
             raise BadRequest("prompt must not be empty", "prompt")
-        ids = tokenizer.encode(prompt)
-    else:
-        ids = [int(i) for i in prompt]
-        _check_token_ids(ids, model)
-    if not ids:
+        if req.echo:
+            texts.append(prompt if isinstance(prompt, str) else tokenizer.decode(ids, skip_special_tokens=False))
+        all_ids.append(ids)
+    # `max_tokens: 0` (echo only, as OpenAI): one token ends the prompt's forward, and is dropped.
+    drop_output = req.echo and req.max_tokens == 0
+    max_tokens = 1 if drop_output else req.max_tokens
+    # Echoed logprobs are the prompt's own first: its forward gives them (the engine's prompt logprobs).
+    echo_logprobs = req.logprobs if req.echo else None
+    prompt_logprobs = max((k for k in (echo_logprobs, req.prompt_logprobs) if k is not None), default=None)
+    params = _sampling_params(req, max_tokens, req.logprobs, max(all_ids, key=len), model, prompt_logprobs)
+    echo = Echo(tuple(texts), drop_output) if req.echo else None
+    return Prepared(all_ids[0], params, more_prompts=tuple(all_ids[1:]), echo=echo)
+
+
+def _prompts(prompt: str | list[int] | list[str] | list[list[int]]) -> list[str] | list[list[int]]:
+    """A completion's prompts: a string or one id list is one; a list of either is a batch."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
         raise BadRequest("prompt must not be empty", "prompt")
-    return Prepared(ids, _sampling_params(req, req.max_tokens, req.logprobs, ids, model))
+    if isinstance(prompt[0], int):
+        return [prompt]  # type: ignore[list-item]  # pydantic took it as list[int]
+    return prompt  # type: ignore[return-value]  # list[str] or list[list[int]]
 
 
 def prepare_chat(req: ChatCompletionRequest, model: ModelInfo, tokenizer: Tokenizer) -> Prepared:
@@ -73,7 +109,7 @@ def prepare_chat(req: ChatCompletionRequest, model: ModelInfo, tokenizer: Tokeni
         raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    params = _sampling_params(req, max_tokens, logprobs, ids, model)
+    params = _sampling_params(req, max_tokens, logprobs, ids, model, req.prompt_logprobs)
     if plan is not None and plan.grammar is not None:
         if params.grammar is not None:
             raise BadRequest("a structured-output constraint cannot be combined with tool_choice required, a "
@@ -172,8 +208,23 @@ def _check_token_ids(ids: list[int] | tuple[int, ...], model: ModelInfo, field: 
         )
 
 
+def _logit_bias(req: SamplingFields, model: ModelInfo) -> tuple[tuple[int, float], ...]:
+    """`logit_bias` as (token id, value) pairs; a 400 naming the field for a key that is not
+    a token id of the vocabulary or a value outside [-100, 100]."""
+    pairs = []
+    for key, value in (req.logit_bias or {}).items():
+        if not key.lstrip("-").isdigit() or not 0 <= int(key) < model.vocab_size:
+            raise BadRequest(f"logit_bias keys must be token ids in [0, {model.vocab_size}), got {key!r}", "logit_bias")
+        if not (math.isfinite(value) and abs(value) <= MAX_LOGIT_BIAS):
+            raise BadRequest(f"logit_bias values must be between -{MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}, "
+                             f"got {value} for token {key}", "logit_bias")
+        pairs.append((int(key), float(value)))
+    return tuple(sorted(pairs))
+
+
 def _sampling_params(
-    req: SamplingFields, max_tokens: int | None, logprobs: int | None, prompt_ids: list[int], model: ModelInfo
+    req: SamplingFields, max_tokens: int | None, logprobs: int | None, prompt_ids: list[int], model: ModelInfo,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     room = model.max_model_len - len(prompt_ids)
     if room < 1:
@@ -192,6 +243,13 @@ def _sampling_params(
         )
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     _check_token_ids(req.stop_token_ids or (), model, "stop_token_ids")
+    if req.prompt_logprobs is not None and req.stream and isinstance(req, ChatCompletionRequest):
+        # A chat chunk has no place for them (vLLM refuses them too); completions stream them.
+        raise BadRequest("prompt_logprobs cannot be streamed on chat completions", "prompt_logprobs")
+    grammar = guided_grammar(req)
+    if req.min_tokens and grammar is not None:
+        # The grammar may allow nothing but its end where min_tokens forbids it.
+        raise BadRequest("min_tokens cannot be combined with a structured-output constraint", "min_tokens")
     # Beyond the vocabulary a cut keeps every token; refusing it keeps huge values out of the engine.
     if req.top_k is not None and req.top_k > model.vocab_size:
         raise BadRequest(f"top_k must be at most the vocabulary size {model.vocab_size}, got {req.top_k}", "top_k")
@@ -217,8 +275,11 @@ def _sampling_params(
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            logit_bias=_logit_bias(req, model),
+            min_tokens=req.min_tokens,
             skip_special_tokens=req.skip_special_tokens,
-            grammar=guided_grammar(req),
+            grammar=grammar,
             **{k: v for k, v in optional.items() if v is not None},
         )
     except ValueError as exc:

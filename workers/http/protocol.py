@@ -84,11 +84,15 @@ class SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # Token id (a JSON key, so a string) -> value added to its logit, in [-100, 100].
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int = 0  # vLLM's: no end of sequence, stop token or stop string before this many
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and this many alternatives
 
 
 class CompletionRequest(SamplingFields):
-    # A list of token ids is one tokenized prompt; a list of strings is a batch.
-    prompt: str | list[int] | list[str]
+    # A list of token ids is one tokenized prompt; a list of strings or of id lists is a batch.
+    prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
@@ -158,10 +162,15 @@ class ChatCompletionRequest(SamplingFields):
 # --- responses --------------------------------------------------------------
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens served from the prefix cache (on PD: the prefill's)
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
     # Our extension, on a prefill: "prefill" (it served the request itself) or "prefill+decode"
     # (handed off). Absent on a mixed worker.
     served_by: str | None = None
@@ -176,9 +185,22 @@ class UsageInfo(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    # None for an echoed prompt's first token, which nothing precedes (as OpenAI and vLLM).
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's entry of `prompt_logprobs`, keyed by token id."""
+
+    logprob: float
+    rank: int | None = None  # 1 + the number of likelier tokens
+    decoded_token: str
+
+
+# vLLM's `prompt_logprobs`: per prompt token, its own entry and the top ones (the first token: None).
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
 class CompletionChoice(BaseModel):
@@ -188,6 +210,7 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -235,6 +258,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM puts a chat prompt's here
 
 
 class FunctionCallDelta(BaseModel):

@@ -4,6 +4,7 @@ sequence outputs: whole responses, or server-sent events when `stream`."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -19,6 +20,13 @@ from disagg.workers.http.backend import Backend
 from disagg.workers.http.errors import APIError, BadRequest, role_api_error
 from disagg.workers.pd.errors import RequestFailed
 from disagg.workers.http.fanout import ClientDisconnected, stream_choices
+from disagg.workers.http.logprobs import (
+    chat_logprobs,
+    completion_logprobs,
+    prompt_entries,
+    sampled_entries,
+    vllm_prompt_logprobs,
+)
 from disagg.workers.http.prepare import Prepared
 from disagg.workers.http.tool_parser import ToolCallParser, parse_output
 from disagg.workers.http.protocol import (
@@ -27,15 +35,14 @@ from disagg.workers.http.protocol import (
     ChatCompletionChunk,
     ChatCompletionResponse,
     ChatDelta,
-    ChatLogprobs,
     ChatResponseMessage,
-    ChatTokenLogprob,
-    ChatTopLogprob,
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
     ErrorInfo,
     ErrorResponse,
+    PromptLogprobs,
+    PromptTokensDetails,
     ToolCall,
     UsageInfo,
 )
@@ -49,9 +56,13 @@ class Choice:
     """What one choice has produced so far, and when."""
 
     index: int
+    prompt_index: int = 0  # which prompt of a batch it continues
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    num_cached_tokens: int = 0
+    echoed: bool = False  # streaming: its echoed prompt has gone out
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_output_tokens: int = 0
@@ -65,6 +76,9 @@ class Choice:
         self.logprobs += out.new_logprobs or []
         self.num_output_tokens = out.num_output_tokens
         self.served_by = out.served_by or self.served_by
+        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         if out.new_token_ids:
             self.first_token_at = self.first_token_at or at
             self.last_token_at = at
@@ -83,24 +97,41 @@ class Call:
     prepared: Prepared
     return_token_ids: bool
     include_usage: bool  # streaming only: send a last chunk with usage
+    prompt_logprobs: int | None = None  # vLLM's `prompt_logprobs` asked for: this many alternatives
     arrival: float = field(default_factory=time.monotonic)
 
     @property
     def num_prompt_tokens(self) -> int:
-        return len(self.prepared.prompt_token_ids)
+        return sum(len(p) for p in self.prepared.prompts)
 
     @property
     def wants_logprobs(self) -> bool:
         return self.prepared.params.logprobs is not None
 
+    def new_choices(self) -> list[Choice]:
+        n = self.prepared.params.n
+        return [Choice(i, i // n) for i in range(n * len(self.prepared.prompts))]
+
     def usage(self, choices: list[Choice]) -> UsageInfo:
         completion = sum(c.num_output_tokens for c in choices)
+        # Each prompt counts once (as vLLM), its cached part as its first choice found it.
+        cached = sum(c.num_cached_tokens for c in choices if c.index % self.prepared.params.n == 0)
         return UsageInfo(
             prompt_tokens=self.num_prompt_tokens,
             completion_tokens=completion,
             total_tokens=self.num_prompt_tokens + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
             served_by=next((c.served_by for c in choices if c.served_by), None),
         )
+
+    def shaped(self, out: RequestOutput) -> RequestOutput:
+        """`max_tokens: 0` with echo: the token made to end the prompt's forward is not returned."""
+        echo = self.prepared.echo
+        if echo is None or not echo.drop_output:
+            return out
+        finish = FinishReason.LENGTH if out.finished and out.finish_reason is not FinishReason.ABORT else out.finish_reason
+        return dataclasses.replace(out, new_token_ids=[], new_text="", new_logprobs=[], num_output_tokens=0,
+                                   finish_reason=finish, stop_reason=None)
 
 
 class OpenAIServing:
@@ -122,8 +153,9 @@ class OpenAIServing:
         self.metrics.count_prompt_tokens(call.num_prompt_tokens)
         p = call.prepared
         try:
-            async with aclosing(stream_choices(self.backend, call.request_id, p.prompt_token_ids, p.params, wait_disconnect)) as stream:
+            async with aclosing(stream_choices(self.backend, call.request_id, p.prompts, p.params, wait_disconnect)) as stream:
                 async for i, out in stream:
+                    out = call.shaped(out)
                     choices[i].add(out, time.monotonic())
                     yield choices[i], out
             aborted = any(c.finish_reason is FinishReason.ABORT for c in choices)
@@ -150,7 +182,7 @@ class OpenAIServing:
     # --- whole responses ------------------------------------------------
 
     async def respond(self, call: Call, wait_disconnect: Callable[[], Awaitable[None]] | None) -> BaseModel:
-        choices = [Choice(i) for i in range(call.prepared.params.n)]
+        choices = call.new_choices()
         async with aclosing(self._outputs(call, choices, wait_disconnect)) as outputs:
             async for _ in outputs:
                 pass
@@ -158,11 +190,12 @@ class OpenAIServing:
         if call.kind == "chat":
             return ChatCompletionResponse(
                 id=call.request_id, model=call.model_name, usage=usage,
+                prompt_logprobs=self._prompt_logprobs(call, choices[0]),
                 choices=[
                     ChatChoice(
                         index=c.index,
                         message=message,
-                        logprobs=self._chat_logprobs(c.logprobs) if call.wants_logprobs else None,
+                        logprobs=chat_logprobs(self.tokenizer, c.logprobs) if call.wants_logprobs else None,
                         finish_reason=finish,
                         stop_reason=c.stop_reason,
                         token_ids=c.token_ids if call.return_token_ids else None,
@@ -175,11 +208,12 @@ class OpenAIServing:
             choices=[
                 CompletionChoice(
                     index=c.index,
-                    text=c.text,
-                    logprobs=self._completion_logprobs(c.logprobs, 0) if call.wants_logprobs else None,
+                    text=self._echo_text(call, c) + c.text,
+                    logprobs=self._completion_logprobs(call, c, c.logprobs, 0, echo=True),
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
                     token_ids=c.token_ids if call.return_token_ids else None,
+                    prompt_logprobs=self._prompt_logprobs(call, c),
                 )
                 for c in choices
             ],
@@ -189,7 +223,7 @@ class OpenAIServing:
 
     async def stream(self, call: Call, wait_disconnect: Callable[[], Awaitable[None]] | None) -> AsyncGenerator[str, None]:
         """SSE lines: one chunk per delta, then usage if asked, then [DONE]."""
-        choices = [Choice(i) for i in range(call.prepared.params.n)]
+        choices = call.new_choices()
         tools = call.prepared.tools
         parsers = {c.index: ToolCallParser(tools) for c in choices} if tools is not None else {}
         try:
@@ -233,17 +267,21 @@ class OpenAIServing:
                 chat_finish = _finish_reason(finish, parser.calls)
             return self._chat_chunk(
                 call, choice, delta,
-                logprobs=self._chat_logprobs(new_logprobs) if call.wants_logprobs else None,
+                logprobs=chat_logprobs(self.tokenizer, new_logprobs) if call.wants_logprobs else None,
                 finish_reason=chat_finish, stop_reason=stop_reason, token_ids=token_ids,
             )
-        offset = len(choice.text) - len(out.new_text)
+        # The first chunk of a choice carries its echoed prompt and vLLM's prompt logprobs.
+        first, choice.echoed = not choice.echoed, True
+        echo_text = self._echo_text(call, choice) if first else ""
+        offset = len(echo_text) + len(choice.text) - len(out.new_text)
         return CompletionResponse(
             id=call.request_id, model=call.model_name,
             choices=[
                 CompletionChoice(
-                    index=choice.index, text=out.new_text,
-                    logprobs=self._completion_logprobs(new_logprobs, offset) if call.wants_logprobs else None,
+                    index=choice.index, text=echo_text + out.new_text,
+                    logprobs=self._completion_logprobs(call, choice, new_logprobs, offset, echo=first),
                     finish_reason=finish, stop_reason=stop_reason, token_ids=token_ids,
+                    prompt_logprobs=self._prompt_logprobs(call, choice) if first else None,
                 )
             ],
         )
@@ -255,34 +293,31 @@ class OpenAIServing:
             choices=[ChatChunkChoice(index=choice.index, delta=delta, **fields)],  # type: ignore[arg-type]
         )
 
-    # --- logprobs -------------------------------------------------------
+    # --- echo and logprobs -----------------------------------------------
 
-    def _completion_logprobs(self, logprobs: list[TokenLogprob], text_offset: int) -> CompletionLogprobs:
-        result = CompletionLogprobs()
-        for lp in logprobs:
-            token = self.tokenizer.token_text(lp.token_id)
-            result.tokens.append(token)
-            result.token_logprobs.append(lp.logprob)
-            top: dict[str, float] = {}
-            for token_id, logprob in lp.top:
-                # NOTE: distinct tokens can share a text (byte pieces all read
-                # as U+FFFD); the format keys by text, so the likelier one stays.
-                top.setdefault(self.tokenizer.token_text(token_id), logprob)
-            result.top_logprobs.append(top)
-            result.text_offset.append(text_offset)
-            text_offset += len(token)
-        return result
+    @staticmethod
+    def _echo_text(call: Call, choice: Choice) -> str:
+        echo = call.prepared.echo
+        return "" if echo is None else echo.texts[choice.prompt_index]
 
-    def _chat_logprobs(self, logprobs: list[TokenLogprob]) -> ChatLogprobs:
-        def entry(token_id: int, logprob: float) -> ChatTopLogprob:
-            token = self.tokenizer.token_text(token_id)
-            return ChatTopLogprob(token=token, logprob=logprob, bytes=list(token.encode("utf-8")))
+    def _completion_logprobs(self, call: Call, choice: Choice, logprobs: list[TokenLogprob], text_offset: int,
+                             echo: bool) -> CompletionLogprobs | None:
+        """`echo`: the echoed prompt's tokens come first, when the request echoes."""
+        num_top = call.prepared.params.logprobs
+        if num_top is None:
+            return None
+        entries = sampled_entries(logprobs)
+        # An echo with logprobs asked for the prompt's; a choice aborted before its first token has none.
+        if echo and call.prepared.echo is not None and choice.prompt_logprobs is not None:
+            prompt = call.prepared.prompts[choice.prompt_index]
+            entries = prompt_entries(prompt, choice.prompt_logprobs) + entries
+            text_offset = 0  # the echoed prompt begins the choice's text
+        return completion_logprobs(self.tokenizer, entries, text_offset, num_top)
 
-        content = []
-        for lp in logprobs:
-            head = entry(lp.token_id, lp.logprob)
-            content.append(ChatTokenLogprob(**head.model_dump(), top_logprobs=[entry(t, v) for t, v in lp.top]))
-        return ChatLogprobs(content=content)
+    def _prompt_logprobs(self, call: Call, choice: Choice) -> PromptLogprobs | None:
+        if call.prompt_logprobs is None or choice.prompt_logprobs is None:
+            return None
+        return vllm_prompt_logprobs(self.tokenizer, choice.prompt_logprobs, call.prompt_logprobs)
 
 
 def _chat_answer(call: Call, choice: Choice) -> tuple[ChatResponseMessage, str | None]:

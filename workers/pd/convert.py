@@ -68,7 +68,8 @@ SAMPLING_EXTRAS_KEY = "x-disagg-sampling-extras"
 # Our extension of xLLM's request (an xLLM peer ignores metadata): sampling fields
 # its protobuf lacks, the structured-output grammar among them (docs/openai-api.md),
 # and the tokens a migrated stream already made (docs/pd-wire.md).
-_EXTRA_DEFAULTS: dict[str, object] = {"seed": None, "min_p": 0.0, "grammar": None, "draws_made": 0}
+_EXTRA_DEFAULTS: dict[str, object] = {"seed": None, "min_p": 0.0, "grammar": None, "draws_made": 0,
+                                      "logit_bias": (), "min_tokens": 0}
 
 
 def sampling_extras_metadata(reqs: Sequence[NewRequest]) -> tuple[tuple[str, str], ...]:
@@ -106,18 +107,30 @@ def with_sampling_extras(reqs: list[NewRequest], metadata: Iterable[tuple[str, s
         if not isinstance(fields, dict) or not set(fields) <= set(_EXTRA_DEFAULTS):
             raise ValueError(f"{SAMPLING_EXTRAS_KEY} of {r.req_id}: fields must be among {sorted(_EXTRA_DEFAULTS)}")
         seed, min_p, grammar = fields.get("seed"), fields.get("min_p", 0.0), fields.get("grammar")
-        draws = fields.get("draws_made", 0)
-        if not (seed is None or type(seed) is int) or type(min_p) not in (int, float) or type(draws) is not int:
-            raise ValueError(f"{SAMPLING_EXTRAS_KEY} of {r.req_id}: seed and draws_made must be integers, "
-                             "min_p a number")
+        draws, min_tokens = fields.get("draws_made", 0), fields.get("min_tokens", 0)
+        if (not (seed is None or type(seed) is int) or type(min_p) not in (int, float) or type(draws) is not int
+                or type(min_tokens) is not int):
+            raise ValueError(f"{SAMPLING_EXTRAS_KEY} of {r.req_id}: seed, draws_made and min_tokens must be "
+                             "integers, min_p a number")
         if not (grammar is None or isinstance(grammar, str)):
             raise ValueError(f"{SAMPLING_EXTRAS_KEY} of {r.req_id}: grammar must be a string")
         try:
-            params = dataclasses.replace(r.params, seed=seed, min_p=float(min_p), grammar=grammar, draws_made=draws)
+            params = dataclasses.replace(r.params, seed=seed, min_p=float(min_p), grammar=grammar, draws_made=draws,
+                                         min_tokens=min_tokens,
+                                         logit_bias=_logit_bias(fields.get("logit_bias", ()), r.req_id))
         except ValueError as exc:
             raise ValueError(f"{SAMPLING_EXTRAS_KEY} of {r.req_id}: {exc}") from None
         out.append(dataclasses.replace(r, params=params))
     return out
+
+
+def _logit_bias(pairs: object, req_id: str) -> tuple[tuple[int, float], ...]:
+    """The extras' `logit_bias`: [[token id, value], ...] (SamplingParams checks the ranges)."""
+    if not isinstance(pairs, (list, tuple)) or not all(
+            isinstance(p, (list, tuple)) and len(p) == 2 and type(p[0]) is int and type(p[1]) in (int, float)
+            for p in pairs):
+        raise ValueError(f"{SAMPLING_EXTRAS_KEY} of {req_id}: logit_bias must be [[token id, number], ...]")
+    return tuple((int(t), float(v)) for t, v in pairs)
 
 
 def reservation_to_proto(r: Reservation) -> pb.DisaggResponse:

@@ -201,7 +201,9 @@ class PrefillRole(EngineHealth["AsyncEngine[LLMEngine]"]):
         call.moved_because = message
         call.req_id = f"{stream.client_id}~{call.migrations}"
         call.prompt = list(stream.request.token_ids)  # the prompt, then every token the client has
-        call.params = dataclasses.replace(call.params, max_tokens=left, draws_made=original.draws_made + len(sent))
+        # The client has the prompt's logprobs: the continuation's prefill need not compute them again.
+        call.params = dataclasses.replace(call.params, max_tokens=left, draws_made=original.draws_made + len(sent),
+                                          prompt_logprobs=None)
         call.route, call.held, call.started_on_decode = None, False, False
         self.relay.rebind(stream, call.req_id)
         self._attempt(call, self._run(call, migrated=True))

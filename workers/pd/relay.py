@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from disagg.workers.engine.async_engine import AsyncEngine, outputs_until_finished
-from disagg.workers.engine.outputs import FinishReason, RequestOutput
+from disagg.workers.engine.outputs import FinishReason, RequestOutput, TokenLogprob
 from disagg.workers.engine.request import Request
 from disagg.workers.engine.sampling_params import SamplingParams
 from disagg.workers.pd.errors import DecodeFailed
@@ -94,8 +94,10 @@ class TokenRelay:
             self._by_wire.pop(stream.wire_id, None)
 
     def first_token(self, stream: Stream, hand_off: RequestOutput) -> None:
-        """The token the prefill sampled, to the client."""
-        self._forward(stream, hand_off, None)
+        """The token the prefill sampled, to the client, with what only the prefill's
+        forward knows: the prompt's cached part and its logprobs."""
+        stream.request.num_cached_tokens = hand_off.num_cached_tokens
+        self._forward(stream, hand_off, None, hand_off.prompt_logprobs)
         stream.handed_off = True
 
     async def generations(self, outputs: list[RequestOutput]) -> list[bool]:
@@ -131,8 +133,9 @@ class TokenRelay:
         delta = self._forward(stream, out, out.finish_reason if out.finished else None)
         return not delta.finished
 
-    def _forward(self, stream: Stream, out: RequestOutput, finish: FinishReason | None) -> RequestOutput:
+    def _forward(self, stream: Stream, out: RequestOutput, finish: FinishReason | None,
+                 prompt_logprobs: list[TokenLogprob | None] | None = None) -> RequestOutput:
         delta = dataclasses.replace(self._engine.follow(stream.request, out.new_token_ids, out.new_logprobs, finish),
-                                    served_by=SERVED_BY_PAIR)
+                                    served_by=SERVED_BY_PAIR, prompt_logprobs=prompt_logprobs)
         stream.put(delta)
         return delta
