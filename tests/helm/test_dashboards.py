@@ -92,5 +92,5 @@ def test_the_dashboard_covers_what_the_chart_promises(dashboards: dict[str, dict
     for needed in ("disagg_time_to_first_token_seconds_bucket", "disagg_time_per_output_token_seconds_bucket",
                    "disagg_generation_tokens_total", "disagg_kv_transfer_bytes_total", "disagg_kv_blocks_free",
                    "disagg_links", "disagg_operator_reconcile_duration_seconds_bucket",
-                   "disagg_operator_link_operation_duration_seconds_bucket"):
+                   "disagg_operator_link_operation_duration_seconds_bucket", "disagg_operator_autoscaler_decisions_total"):
         assert needed in used, needed
