@@ -9,8 +9,9 @@ Runs, each a separate `lm-eval run`:
 - `hf` (transformers, fp32, CPU) on both tasks, and with `--apply_chat_template` on the generation task;
 - `local-completions` on both tasks, against a mixed worker and a PD pair;
 - `local-chat-completions` on the generation task, against the same two.
-Prints the scores side by side, and the largest difference of a per-choice
-loglikelihood between transformers and each server.
+Prints the scores side by side, the largest difference of a per-choice
+loglikelihood between transformers and each server, and how many generated
+answers are transformers' own, text for text.
 
     pip install lm-eval   # into any environment that can import disagg (its own venv works too)
     .venv/bin/python benchmarks/eval_lm.py [--model builtin:smollm2-135m] [--items 40] [--lm-eval lm-eval]
@@ -79,6 +80,12 @@ def _loglikelihoods(run: dict[str, Any]) -> dict[tuple[int, int], float]:
     return {(s["doc_id"], i): float(r[0][0]) for s in run["samples"] for i, r in enumerate(s["resps"])}
 
 
+def _same_generations(run: dict[str, Any], reference: dict[str, Any]) -> str:
+    """How many generated answers are the reference's, text for text."""
+    ref = {s["doc_id"]: s["resps"] for s in reference["samples"]}
+    return f"{sum(s['resps'] == ref[s['doc_id']] for s in run['samples'])}/{len(ref)}"
+
+
 def _score(run: dict[str, Any], metric: str) -> str:
     value = next((v for k, v in run["scores"].items() if k.startswith(metric + ",")), None)
     return "-" if value is None else f"{value:.4f}"
@@ -125,14 +132,15 @@ def main() -> None:
     reference = _loglikelihoods(runs["hf"])
     print(f"\n{args.items} items; lm-eval {args.lm_eval}; work folder {work}\n")
     print("| model | acc | acc_norm | max abs loglikelihood diff vs hf | exact_match (completions) | "
-          "exact_match (chat) |")
-    print("|---|---:|---:|---:|---:|---:|")
+          "same answers as hf | exact_match (chat) | same answers as hf |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name in ("hf", "mixed", "pd"):
         ll = _loglikelihoods(runs[name])
         diff = max(abs(ll[k] - reference[k]) for k in reference)
         print(f"| {'transformers (hf)' if name == 'hf' else name} | {_score(runs[name], 'acc')} | "
               f"{_score(runs[name], 'acc_norm')} | {diff:.2e} | {_score(runs[name + ' gen'], 'exact_match')} | "
-              f"{_score(runs[name + ' chat'], 'exact_match')} |")
+              f"{_same_generations(runs[name + ' gen'], runs['hf gen'])} | "
+              f"{_score(runs[name + ' chat'], 'exact_match')} | {_same_generations(runs[name + ' chat'], runs['hf chat'])} |")
     sys.stdout.flush()
 
 
