@@ -31,6 +31,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -64,10 +65,11 @@ class Prompts:
         return [first] + [FIRST_ID + (7919 * i + 31 * self._count) % self._range for i in range(1, n)]
 
 
-async def stream_one(client: httpx.AsyncClient, worker: WorkerProcess, prompt: list[int], max_tokens: int) -> Sample:
-    """One streamed completion; times as the client sees them."""
+async def stream_one(client: httpx.AsyncClient, worker: WorkerProcess, prompt: list[int], max_tokens: int,
+                     fields: dict[str, Any] | None = None) -> Sample:
+    """One streamed completion (greedy, to max_tokens unless `fields` say otherwise); times as the client sees them."""
     body = {"model": SERVED, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True, "return_token_ids": True}
+            "ignore_eos": True, "return_token_ids": True, **(fields or {})}
     began = time.perf_counter()
     first = last = None
     n = 0

@@ -8,6 +8,8 @@ Fixtures:
 - `reference_tokens`: greedy tokens of the same model run by a plain LLMEngine.
 - `processes`: a module-scoped `Processes` that starts `disagg serve`
   processes on the tiny model and stops them all at the module's end.
+- `openai_client`: `openai_client(backend, role)`, an `openai` client of a
+  role's HTTP app in this process (httpx's ASGI transport).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
+import openai
 import pytest
 import torch
 
@@ -28,6 +32,8 @@ from disagg.workers.config import Role, ServerConfig, TransferMode
 from disagg.workers.engine.config import EngineConfig
 from disagg.workers.engine.llm_engine import LLMEngine
 from disagg.workers.engine.sampling_params import SamplingParams
+from disagg.workers.http.app import AppState, build_app
+from disagg.workers.http.backend import Backend
 from disagg.workers.local import WorkerProcess, free_port, spawn_worker
 from disagg.workers.metrics import WorkerMetrics
 from disagg.workers.pd.config import PDConfig
@@ -131,6 +137,19 @@ def reference_tokens(tiny_model_dir: Path) -> Callable[[list[int], SamplingParam
         return tokens
 
     return run
+
+
+def _openai_client(backend: Backend, role: str) -> openai.AsyncOpenAI:
+    state = AppState(WorkerMetrics(role))
+    state.attach(backend, backend)
+    transport = httpx.ASGITransport(app=build_app(state))
+    return openai.AsyncOpenAI(base_url="http://worker/v1", api_key="unused", max_retries=0,
+                              http_client=httpx.AsyncClient(transport=transport, timeout=120.0))  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="session")
+def openai_client() -> Callable[[Backend, str], openai.AsyncOpenAI]:
+    return _openai_client
 
 
 class Kit:

@@ -22,6 +22,12 @@ def test_always_hands_off_whatever_is_measured() -> None:
     assert model.choose(1, 0, decode_has_room=False) == (Path.HANDOFF, "policy")
 
 
+def test_a_request_whose_extras_do_not_fit_the_wire_is_served_locally_under_any_policy() -> None:
+    for policy in (DecisionPolicy(), AUTO):
+        model = CostModel(policy, bytes_per_token=1000.0)
+        assert model.choose(10_000, 2, decode_has_room=True, fits_wire=False) == (Path.LOCAL, "extras_too_large")
+
+
 def test_auto_rules_in_order() -> None:
     model = CostModel(AUTO, bytes_per_token=1000.0)
     assert model.choose(10_000, 2, decode_has_room=False) == (Path.HANDOFF, "local_full")

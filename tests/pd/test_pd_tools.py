@@ -3,7 +3,7 @@ prefill's own HTTP app: enforced calls (`required`, a named function) ride
 the sampling extras as a grammar, as structured outputs do, and each answer
 (calls, content, finish reason, token ids; streamed too) equals a mixed
 engine's, PUSH and PULL. The worker and engines are real and in this process;
-the apps are reached through httpx's ASGI transport.
+the apps are reached through httpx's ASGI transport (conftest's `openai_client`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import jsonschema
 import openai
 import pytest
@@ -21,9 +20,7 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from disagg.testing.tiny_model import build_tiny_model
 from disagg.workers.engine.config import EngineConfig
-from disagg.workers.http.app import AppState, build_app
 from disagg.workers.http.backend import Backend, LocalEngineBackend
-from disagg.workers.metrics import WorkerMetrics
 
 CONTEXT = 2048  # the tool listing makes long prompts with the tiny tokenizer
 ENGINE: dict[str, Any] = {"max_model_len": CONTEXT, "num_kv_blocks": 1024}
@@ -63,14 +60,6 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model("llama", tmp_path_factory.mktemp("long-model"), context=CONTEXT)
 
 
-def _client(backend: Backend, role: str) -> openai.AsyncOpenAI:
-    state = AppState(WorkerMetrics(role))
-    state.attach(backend, backend)
-    transport = httpx.ASGITransport(app=build_app(state))
-    return openai.AsyncOpenAI(base_url="http://worker/v1", api_key="unused", max_retries=0,
-                              http_client=httpx.AsyncClient(transport=transport, timeout=120.0))  # type: ignore[arg-type]
-
-
 @pytest.fixture(scope="module")
 def mixed(tiny_model_dir: Path) -> Iterator[LocalEngineBackend]:
     backend = LocalEngineBackend.from_config(
@@ -102,8 +91,8 @@ async def _answer(client: openai.AsyncOpenAI, fields: dict[str, Any], stream: bo
     return {"calls": calls, "content": choice.message.content, "finish": choice.finish_reason, "tokens": token_ids}
 
 
-async def _answers(backend: Backend, role: str) -> AsyncIterator[dict[str, Any]]:
-    async with _client(backend, role) as client:
+async def _answers(client: openai.AsyncOpenAI) -> AsyncIterator[dict[str, Any]]:
+    async with client:
         for fields in CASES:
             for stream in (False, True):
                 yield await _answer(client, fields, stream)
@@ -111,10 +100,11 @@ async def _answers(backend: Backend, role: str) -> AsyncIterator[dict[str, Any]]
 
 @pytest.mark.parametrize("mode", ["PUSH", "PULL"])
 async def test_tool_calls_through_pd_equal_the_mixed_role(pd_pair: Callable[..., Any], mixed: LocalEngineBackend,
+                                                          openai_client: Callable[[Backend, str], openai.AsyncOpenAI],
                                                           mode: str) -> None:
-    expected = [a async for a in _answers(mixed, "mixed")]
+    expected = [a async for a in _answers(openai_client(mixed, "mixed"))]
     async with pd_pair(mode, **ENGINE) as pair:
-        got = [a async for a in _answers(pair.prefill.backend, "prefill")]
+        got = [a async for a in _answers(openai_client(pair.prefill.backend, "prefill"))]
     assert got == expected
     assert expected[0::2] == expected[1::2]  # streamed as whole
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}

@@ -13,7 +13,8 @@ from disagg.proto import common_pb2, disagg_pd_pb2 as pb, disagg_pd_pb2_grpc, xl
 from disagg.workers.engine.outputs import RequestOutput
 from disagg.workers.pd import convert
 from disagg.workers.pd.config import PDConfig
-from disagg.workers.pd.errors import InvalidMessage, PDError, PeerTimeout, PeerUnavailable, UnknownRequest, WrongRole
+from disagg.workers.pd.errors import (InvalidMessage, PDError, PeerTimeout, PeerUnavailable, RequestRefused,
+                                     UnknownRequest, WrongRole)
 from disagg.workers.pd.messages import FirstToken, NewRequest, Reservation
 from disagg.workers.security.control import control_channel
 from disagg.workers.security.key import ClusterKey
@@ -98,14 +99,20 @@ class PeerClients:
             limit = self._config.max_message_bytes
             self._channels[address] = control_channel(
                 address, self._key,
-                [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)], self._tls,
+                [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit),
+                 *convert.METADATA_OPTIONS], self._tls,
             )
         return self._channels[address]
 
     async def add_new_requests(self, decode: str, prefill_name: str, reqs: list[NewRequest]) -> list[Reservation]:
         stub = disagg_pd_pb2_grpc.DisaggPDServiceStub(self._channel(decode))
+        """The decode's reservations; RequestRefused when the requests' extras pass the metadata bound
+        (no decode could take them: never retried)."""
         msg = pb.DisaggRequests(prefill_name=prefill_name, reqs=[convert.request_to_proto(r) for r in reqs])
-        metadata = convert.sampling_extras_metadata(reqs) + convert.PREFIX_REUSE_METADATA
+        try:
+            metadata = convert.sampling_extras_metadata(reqs) + convert.PREFIX_REUSE_METADATA
+        except ValueError as exc:
+            raise RequestRefused(str(exc)) from exc
         try:
             call = stub.AddNewRequests(msg, timeout=self._config.rpc_timeout_s, metadata=metadata)
             answer = await call

@@ -72,14 +72,37 @@ _EXTRA_DEFAULTS: dict[str, object] = {"seed": None, "min_p": 0.0, "grammar": Non
                                       "logit_bias": (), "min_tokens": 0}
 
 
+# gRPC refuses a call whose metadata passes the receiver's limit (8 KiB soft, 16 KiB hard by
+# default), and a grammar (a big schema, many tools) easily does: our servers and channels take
+# up to METADATA_LIMIT_BYTES, and the extras of one AddNewRequests call may use all of it but
+# MAX_EXTRAS_BYTES' room for the other headers (auth, path, deadline: well under 1 KiB).
+METADATA_LIMIT_BYTES = 1 << 20
+MAX_EXTRAS_BYTES = METADATA_LIMIT_BYTES - (8 << 10)
+METADATA_OPTIONS = (("grpc.max_metadata_size", METADATA_LIMIT_BYTES),
+                    ("grpc.absolute_max_metadata_size", METADATA_LIMIT_BYTES))
+# What a migration adds to a request's extras: the wire id's "~n" and a longer draws_made.
+_MIGRATION_ROOM = 64
+
+
+def _extras(params: SamplingParams) -> dict[str, object]:
+    return {name: value for name, default in _EXTRA_DEFAULTS.items() if (value := getattr(params, name)) != default}
+
+
 def sampling_extras_metadata(reqs: Sequence[NewRequest]) -> tuple[tuple[str, str], ...]:
-    extras = {}
-    for r in reqs:
-        fields = {name: value for name, default in _EXTRA_DEFAULTS.items()
-                  if (value := getattr(r.params, name)) != default}
-        if fields:
-            extras[r.req_id] = fields
-    return ((SAMPLING_EXTRAS_KEY, json.dumps(extras)),) if extras else ()
+    """The call's extras entry (none when no request has one); ValueError when it passes MAX_EXTRAS_BYTES."""
+    extras = {r.req_id: fields for r in reqs if (fields := _extras(r.params))}
+    if not extras:
+        return ()
+    value = json.dumps(extras)
+    if len(value) > MAX_EXTRAS_BYTES:
+        raise ValueError(f"the sampling extras (grammar, seed) of {len(reqs)} requests take {len(value)} bytes, "
+                         f"over the {MAX_EXTRAS_BYTES} bytes of gRPC metadata a hand-off carries")
+    return ((SAMPLING_EXTRAS_KEY, value),)
+
+
+def extras_fit(req_id: str, params: SamplingParams) -> bool:
+    """Whether one request's extras fit an AddNewRequests call alone, also after migrations."""
+    return len(json.dumps({req_id: _extras(params)})) + _MIGRATION_ROOM <= MAX_EXTRAS_BYTES
 
 
 def _per_request(metadata: Iterable[tuple[str, str | bytes]], key: str, what: str) -> dict[str, Any] | None:

@@ -1,6 +1,9 @@
 """Per request, whether a prefill hands off to a decode or serves the whole request itself.
 
-`always` (the default) hands every request off, as the PD protocol is written.
+`always` (the default) hands every request off, as the PD protocol is written,
+except one whose sampling extras (a big grammar) pass the metadata bound of a
+hand-off (`convert.MAX_EXTRAS_BYTES`, docs/pd-wire.md): no decode could take
+it, so the prefill serves it, under either policy.
 `auto` serves a request locally, as a mixed worker would, when the hand-off
 would cost more than it saves, judged from measured quantities:
 
@@ -78,9 +81,13 @@ class CostModel:
         if tokens > 0 and seconds > 0:
             self.prefill_rate.observe(tokens / seconds)
 
-    def choose(self, uncached_tokens: int, local_running: int, decode_has_room: bool) -> tuple[Path, str]:
-        """The path of one request, and the reason (a metric label)."""
+    def choose(self, uncached_tokens: int, local_running: int, decode_has_room: bool,
+               fits_wire: bool = True) -> tuple[Path, str]:
+        """The path of one request, and the reason (a metric label); `fits_wire`: whether its
+        extras fit an AddNewRequests call."""
         policy = self.policy
+        if not fits_wire:
+            return Path.LOCAL, "extras_too_large"
         if policy.mode is PDPolicy.ALWAYS:
             return Path.HANDOFF, "policy"
         if local_running >= policy.local_max_running:

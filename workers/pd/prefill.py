@@ -16,9 +16,10 @@ One request (a `_Call`):
 A client that goes away before step 3 ends cancels the reservation; after
 it, the next Generations for the request is answered ok=false.
 
-The sampling fields DisaggRequest lacks (seed, min_p) go along as gRPC
-metadata (`convert.sampling_extras_metadata`), so seeded sampling gives the
-mixed role's tokens too; an xLLM decode ignores them.
+The sampling fields DisaggRequest lacks (seed, min_p, the grammar) go along as
+gRPC metadata (`convert.sampling_extras_metadata`), so seeded sampling gives the
+mixed role's tokens too; an xLLM decode ignores them. A request whose extras
+pass the metadata bound is served here whole (decision.py).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from disagg.workers.engine.sampling_params import SamplingParams
 from disagg.workers.engine.tokenizer import Tokenizer
 from disagg.workers.http.backend import EngineHealth, ModelInfo
 from disagg.workers.metrics import WorkerMetrics
+from disagg.workers.pd import convert
 from disagg.workers.pd.clients import PeerClients
 from disagg.proto.vocabulary import PDPolicy
 from disagg.workers.pd.config import PDConfig
@@ -257,8 +259,9 @@ class PrefillRole(EngineHealth["AsyncEngine[LLMEngine]"]):
 
     async def _choose(self, call: _Call) -> tuple[Path, str]:
         """Hand off or serve here (decision.py); the prompt's cached part is looked up only when it matters."""
-        if self.costs.policy.mode is PDPolicy.ALWAYS:
-            return self.costs.choose(0, self._local, True)
+        fits = convert.extras_fit(call.req_id, call.params)
+        if self.costs.policy.mode is PDPolicy.ALWAYS or not fits:
+            return self.costs.choose(0, self._local, True, fits)
         request = call.stream.request
         cached = await self._engine.call(lambda e: e.num_cached_prompt_tokens(request))
         return self.costs.choose(len(call.prompt) - cached, self._local, self.router.has_room())

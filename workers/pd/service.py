@@ -222,6 +222,7 @@ def build_grpc_server(handlers: Handlers, address: str, max_message_bytes: int, 
     server = grpc.aio.server(interceptors=[AuthInterceptor(guard)], options=[
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
+        *convert.METADATA_OPTIONS,
     ])
     disagg_pd_pb2_grpc.add_DisaggPDServiceServicer_to_server(DisaggPDServicer(handlers), server)
     if handlers.generations is not None:
