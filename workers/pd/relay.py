@@ -76,7 +76,10 @@ class TokenRelay:
         """Start relaying a new request; ValueError for a duplicate id or a request the engine refuses."""
         if request_id in self._streams or request_id in self._by_wire:
             raise ValueError(f"request id {request_id!r} is already in use")
-        stream = Stream(self._engine.new_request(request_id, prompt_token_ids, params), request_id, request_id)
+        # The follower reads text and stops only: the grammar constrains whichever engine samples, so a
+        # matcher here would be compiled and advanced for nothing, on the event loop's thread.
+        followed = self._engine.new_request(request_id, prompt_token_ids, dataclasses.replace(params, grammar=None))
+        stream = Stream(followed, request_id, request_id)
         self._streams[request_id] = stream
         self._by_wire[request_id] = stream
         return stream
