@@ -1,0 +1,210 @@
+"""OpenTelemetry traces of one PD request (workers/tracing.py, docs/tracing.md).
+
+In this process, with the SDK's in-memory exporter: the helpers, the HTTP
+span, and a prefill + decode pair's spans linked over real gRPC. Across two
+`disagg serve` processes: each exports over OTLP/gRPC to a small collector
+this test runs on loopback, and the decode's spans must hang under the
+prefill's through the propagated `traceparent`; with no endpoint, none come.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+from fastapi import FastAPI
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
+
+from disagg.workers import tracing
+from disagg.workers.engine.sampling_params import SamplingParams
+from disagg.workers.local import link
+
+# The client's span: trace 4bf9..., span 00f0...
+CLIENT_TRACE_ID = 0x4BF92F3577B34DA6A3CE929D0E0E4736
+CLIENT_SPAN_ID = 0x00F067AA0BA902B7
+TRACEPARENT = f"00-{CLIENT_TRACE_ID:032x}-{CLIENT_SPAN_ID:016x}-01"
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+NUM_LAYERS = 2  # the tiny model's (tests/conftest.py)
+
+
+@pytest.fixture
+def memory() -> Iterator[InMemorySpanExporter]:
+    exporter = InMemorySpanExporter()
+    assert tracing.configure("test", "here", exporter=exporter)
+    try:
+        yield exporter
+    finally:
+        tracing.shutdown()
+
+
+# --- the helpers, in this process -----------------------------------------------
+
+
+def test_configured_only_by_the_environment() -> None:
+    assert tracing.exporter_name({}) is None  # the default: off
+    assert tracing.exporter_name({"OTEL_SERVICE_NAME": "x", "OTEL_TRACES_SAMPLER": "always_on"}) is None
+    assert tracing.exporter_name({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317"}) == "otlp"
+    assert tracing.exporter_name({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://collector:4317"}) == "otlp"
+    assert tracing.exporter_name({"OTEL_TRACES_EXPORTER": "console"}) == "console"
+    assert tracing.exporter_name({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "OTEL_TRACES_EXPORTER": "none"}) is None
+    assert tracing.exporter_name({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "OTEL_SDK_DISABLED": "true"}) is None
+    with pytest.raises(ValueError, match="no such span exporter"):
+        tracing.configure("test", environ={"OTEL_TRACES_EXPORTER": "no-such-exporter"})
+    assert not tracing.is_enabled()
+
+
+def test_off_is_a_no_op() -> None:
+    assert not tracing.configure("test", environ={})
+    assert not tracing.is_enabled()
+    with tracing.span("x") as s, tracing.client_call("svc", "M", "127.0.0.1:1") as metadata:
+        assert s is None and metadata == ()
+    assert tracing.start("x") is None and tracing.current() is None and tracing.inject() == ()
+    assert tracing.record("x", 0.0, 1.0) is None
+    app = FastAPI()
+    tracing.instrument(app)
+    assert app.user_middleware == []  # not even a pass-through layer
+
+
+def test_trace_context_round_trip(memory: InMemorySpanExporter) -> None:
+    parent = tracing.extract([("TraceParent", TRACEPARENT.encode()), ("tracestate", "vendor=1"), ("other", "x")])
+    assert tracing.extract([("other", "x")]) is None
+    with tracing.span("root", parent=parent), tracing.client_call("svc.S", "M", "10.0.0.1:7777", {"a": 1}) as metadata:
+        sent = dict(metadata)
+    root, call = _by_name(memory, "root", "svc.S/M")
+    assert call.attributes is not None and call.attributes["a"] == 1
+    assert call.kind is SpanKind.CLIENT and call.attributes is not None
+    assert call.attributes["rpc.system"] == "grpc" and call.attributes["server.port"] == 7777
+    assert sent["traceparent"] == f"00-{CLIENT_TRACE_ID:032x}-{call.context.span_id:016x}-01"
+    assert sent["tracestate"] == "vendor=1"
+    assert root.context.trace_id == CLIENT_TRACE_ID and root.parent is not None
+    assert root.parent.span_id == CLIENT_SPAN_ID and root.parent.is_remote
+
+
+def _by_name(memory: InMemorySpanExporter, *names: str) -> list[ReadableSpan]:
+    spans = {s.name: s for s in memory.get_finished_spans()}
+    return [spans[n] for n in names]
+
+
+async def test_http_span_takes_the_clients_traceparent(memory: InMemorySpanExporter) -> None:
+    app = FastAPI()
+    tracing.instrument(app)
+
+    @app.post("/v1/echo")
+    async def echo() -> dict[str, str]:
+        tracing.annotate({tracing.GEN_AI_MODEL: "tiny"})
+        return {"ok": "yes"}
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"ok": "yes"}
+
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://w") as client:
+        assert (await client.post("/v1/echo", headers={"traceparent": TRACEPARENT})).status_code == 200
+        assert (await client.get("/health")).status_code == 200
+    [span] = memory.get_finished_spans()  # /health is not traced
+    assert span.name == "POST /v1/echo" and span.kind is SpanKind.SERVER
+    assert span.context.trace_id == CLIENT_TRACE_ID and span.parent is not None
+    assert span.parent.span_id == CLIENT_SPAN_ID
+    assert span.attributes == {"http.request.method": "POST", "url.path": "/v1/echo", "url.scheme": "http",
+                               "gen_ai.request.model": "tiny", "http.response.status_code": 200}
+
+
+@pytest.mark.parametrize("mode", ["PUSH", "PULL"])
+async def test_pd_pair_spans_link_over_grpc(memory: InMemorySpanExporter, pd_pair: Callable[..., Any],
+                                            mode: str) -> None:
+    async with pd_pair(mode) as pair:
+        with tracing.span("client request", parent=tracing.extract([("traceparent", TRACEPARENT)])):
+            tokens = [t async for out in pair.prefill.role.generate("t1", [5, 6, 7, 8, 9, 10], GREEDY)
+                      for t in out.new_token_ids]
+        assert len(tokens) == GREEDY.max_tokens
+        await _until(lambda: {"decode", "relay"} <= {s.name for s in memory.get_finished_spans()})
+    request = check_request_tree([Seen.of(s) for s in memory.get_finished_spans()], mode)
+    assert request.name == "client request" and request.parent_id == CLIENT_SPAN_ID
+
+
+@dataclass(frozen=True)
+class Seen:
+    """A finished span, as either exporter gives it."""
+
+    name: str
+    kind: SpanKind
+    trace_id: int
+    span_id: int
+    parent_id: int | None
+    attributes: dict[str, Any]
+
+    @classmethod
+    def of(cls, span: ReadableSpan) -> Seen:
+        assert span.context is not None
+        return cls(span.name, span.kind, span.context.trace_id, span.context.span_id,
+                   None if span.parent is None else span.parent.span_id, dict(span.attributes or {}))
+
+
+def check_request_tree(spans: list[Seen], mode: str) -> Seen:
+    """The spans of one handed-off request: one trace, the client's; the prefill's under the
+    request's span (returned), the decode's under the prefill's calls that reached it; counts and bytes."""
+    assert {s.trace_id for s in spans} == {CLIENT_TRACE_ID}, "one trace, the client's"
+    by_id = {s.span_id: s for s in spans}
+    named: dict[str, list[Any]] = {}
+    for s in spans:
+        named.setdefault(s.name, []).append(s)
+
+    def one(name: str, kind: SpanKind = SpanKind.INTERNAL) -> Any:
+        [found] = [s for s in named.get(name, []) if s.kind is kind]
+        return found
+
+    def parent(s: Any) -> Any:
+        return by_id[s.parent_id]
+
+    route, add_client = one("route"), one("xllm.proto.DisaggPDService/AddNewRequests", SpanKind.CLIENT)
+    add_server = one("xllm.proto.DisaggPDService/AddNewRequests", SpanKind.SERVER)
+    first_client = one("xllm.proto.DisaggPDService/FirstGeneration", SpanKind.CLIENT)
+    first_server = one("xllm.proto.DisaggPDService/FirstGeneration", SpanKind.SERVER)
+    request = parent(route)
+    # The prefill's spans hang under the request's; the decode's under the calls that reached it.
+    for name in ("queue", "prefill", "relay"):
+        assert parent(one(name)) is request, name
+    assert parent(add_client) is route and parent(first_client) is request
+    assert parent(add_server) is add_client and parent(first_server) is first_client
+    decode = one("decode")
+    assert parent(decode) is first_server
+    assert decode.attributes["gen_ai.usage.output_tokens"] == GREEDY.max_tokens
+    relays = [s for s in named["Generations"] if s.kind is SpanKind.CLIENT]
+    assert relays and all(parent(s) is decode for s in relays)
+    assert sum(s.attributes["disagg.tokens"] for s in relays) == GREEDY.max_tokens - 1  # the prefill sent the first
+    assert one("prefill").attributes["gen_ai.usage.input_tokens"] > 0
+    assert one("relay").attributes["gen_ai.usage.output_tokens"] == GREEDY.max_tokens
+    received = one("kv_receive")
+    assert received.attributes["disagg.kv.mode"] == mode and received.attributes["disagg.kv.bytes"] > 0
+    if mode == "PUSH":
+        assert parent(received) is add_server  # the bytes land after the admission, before FirstGeneration
+        sent = one("kv_transfer")
+        assert parent(sent) is request and sent.attributes["disagg.kv.bytes"] == received.attributes["disagg.kv.bytes"]
+        layers = sorted(named["kv_transfer.layer"], key=lambda s: s.attributes["disagg.kv.layer"])
+        assert [s.attributes["disagg.kv.layer"] for s in layers] == list(range(NUM_LAYERS))
+        assert all(parent(s) is sent for s in layers)
+        assert sum(s.attributes["disagg.kv.bytes"] for s in layers) == sent.attributes["disagg.kv.bytes"]
+    else:
+        assert parent(received) is first_server  # pulled inside FirstGeneration
+    return request
+
+
+async def _until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    import asyncio
+
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting for spans"
+        await asyncio.sleep(0.05)
