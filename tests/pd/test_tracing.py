@@ -9,8 +9,6 @@ prefill's through the propagated `traceparent`; with no endpoint, none come.
 
 from __future__ import annotations
 
-import contextlib
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -208,3 +206,112 @@ async def _until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None
     while not predicate():
         assert time.monotonic() < deadline, "timed out waiting for spans"
         await asyncio.sleep(0.05)
+
+
+# --- two `disagg serve` processes, exporting over OTLP/gRPC -----------------------
+
+OTLP_DEFAULT_PORT = 4317  # where an SDK with no endpoint configured would export
+# One span of a request kind per OTLP kind (SPAN_KIND_INTERNAL = 1, ...; the SDK's INTERNAL = 0, ...).
+_KINDS = {1: SpanKind.INTERNAL, 2: SpanKind.SERVER, 3: SpanKind.CLIENT, 4: SpanKind.PRODUCER, 5: SpanKind.CONSUMER}
+
+
+class Collector(trace_service_pb2_grpc.TraceServiceServicer):
+    """An OTLP/gRPC trace collector on loopback: `TraceService/Export`, keeping every span with its service name."""
+
+    def __init__(self, port: int = 0) -> None:
+        self.spans: list[tuple[str, Seen]] = []
+        self.exports = 0
+        self._lock = threading.Lock()
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self, self._server)
+        self.port = self._server.add_insecure_port(f"127.0.0.1:{port}")
+        self._server.start()
+
+    def Export(self, request: trace_service_pb2.ExportTraceServiceRequest,
+               context: grpc.ServicerContext) -> trace_service_pb2.ExportTraceServiceResponse:
+        with self._lock:
+            self.exports += 1
+            for resource_spans in request.resource_spans:
+                service = _attributes(resource_spans.resource.attributes)["service.name"]
+                for scope_spans in resource_spans.scope_spans:
+                    self.spans += [(service, _seen(s)) for s in scope_spans.spans]
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+    def names(self) -> set[str]:
+        with self._lock:
+            return {s.name for _, s in self.spans}
+
+    def __enter__(self) -> Collector:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.stop(grace=None)
+
+
+def _seen(span: Any) -> Seen:
+    return Seen(span.name, _KINDS[span.kind], int.from_bytes(span.trace_id, "big"), int.from_bytes(span.span_id, "big"),
+                int.from_bytes(span.parent_span_id, "big") if span.parent_span_id else None,
+                _attributes(span.attributes))
+
+
+def _attributes(pairs: Any) -> dict[str, Any]:
+    def value(v: Any) -> Any:
+        kind = v.WhichOneof("value")
+        return [value(x) for x in v.array_value.values] if kind == "array_value" else getattr(v, kind)
+
+    return {kv.key: value(kv.value) for kv in pairs}
+
+
+def _complete(prefill: Any) -> dict[str, Any]:
+    body = {"model": "tiny", "prompt": [5, 6, 7, 8, 9, 10], "max_tokens": GREEDY.max_tokens, "temperature": 0,
+            "ignore_eos": True}
+    answer = httpx.post(f"{prefill.base_url}/v1/completions", json=body, headers={"traceparent": TRACEPARENT},
+                        timeout=60.0)
+    assert answer.status_code == 200, answer.text
+    return dict(answer.json())
+
+
+def test_processes_export_one_linked_trace(processes: Any) -> None:
+    with Collector() as otlp:
+        env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{otlp.port}", "OTEL_EXPORTER_OTLP_INSECURE": "true",
+               "OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_TRACES_SAMPLER": "parentbased_always_on"}
+        decode, prefill = processes.start(("decode",), ("prefill", "--kv-transfer-mode", "PUSH"), env=env)
+        assert link(decode, prefill) is None
+        processes.wait_until(lambda: httpx.get(f"{prefill.base_url}/ready").status_code == 200, "the prefill is ready")
+        answer = _complete(prefill)
+        assert answer["usage"]["completion_tokens"] == GREEDY.max_tokens
+        processes.wait_until(lambda: {"POST /v1/completions", "decode", "relay"} <= otlp.names(),
+                             "both workers exported the request's spans")
+        spans = [s for _, s in otlp.spans]
+        services = {s.span_id: service for service, s in otlp.spans}
+    request = check_request_tree(spans, "PUSH")
+    assert request.name == "POST /v1/completions" and request.kind is SpanKind.SERVER
+    assert request.parent_id == CLIENT_SPAN_ID, "the client's traceparent is honoured"
+    assert request.attributes["gen_ai.request.model"] == "tiny"
+    assert request.attributes["gen_ai.operation.name"] == "text_completion"
+    assert request.attributes["gen_ai.request.max_tokens"] == GREEDY.max_tokens
+    assert request.attributes["gen_ai.usage.input_tokens"] == 6
+    assert request.attributes["gen_ai.usage.output_tokens"] == GREEDY.max_tokens
+    assert request.attributes["http.response.status_code"] == 200
+    # Each process exported its own spans: the decode's came over the propagated context.
+    on_decode = {s.name for s in spans if services[s.span_id] == "disagg-decode"}
+    assert on_decode == {"xllm.proto.DisaggPDService/AddNewRequests", "xllm.proto.DisaggPDService/FirstGeneration",
+                         "kv_receive", "decode", "Generations"}
+    assert {services[s.span_id] for s in spans} == {"disagg-prefill", "disagg-decode"}
+
+
+def test_processes_without_an_endpoint_export_nothing(processes: Any) -> None:
+    # An SDK installed with no endpoint configured would export to localhost:4317: listen there.
+    try:
+        otlp = Collector(OTLP_DEFAULT_PORT)
+    except RuntimeError:  # grpc could not bind it
+        pytest.skip(f"port {OTLP_DEFAULT_PORT} is taken")
+    with otlp:
+        env = {"OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_TRACES_SAMPLER": "always_on", "OTEL_SERVICE_NAME": "off"}
+        decode, prefill = processes.start(("decode",), ("prefill",), env=env)
+        assert link(decode, prefill) is None
+        processes.wait_until(lambda: httpx.get(f"{prefill.base_url}/ready").status_code == 200, "the prefill is ready")
+        _complete(prefill)
+        assert [w.stop() for w in (prefill, decode)] == [0, 0]  # a tracer provider would flush on the way out
+        assert otlp.exports == 0 and otlp.spans == []
+    assert "traces: on" not in prefill.log() + decode.log()
