@@ -153,7 +153,11 @@ def run(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     torch.set_num_threads(server_config.num_threads)  # once, before the model loads
     torch.set_num_interop_threads(1)
     log.info("compute threads: %d (inter-op: %d)", torch.get_num_threads(), torch.get_num_interop_threads())
-    tracing.configure(server_config.role.value, server_config.instance_name)
+    try:
+        tracing.configure(server_config.role.value, server_config.instance_name)
+    except ValueError as exc:
+        log.error("cannot start: %s", exc)
+        return 2
     try:
         return asyncio.run(serve(engine_config, server_config, ROLES[server_config.role]))
     finally:

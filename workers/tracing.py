@@ -79,9 +79,10 @@ def exporter_name(environ: Mapping[str, str]) -> str | None:
 
 def configure(role: str, instance: str = "", exporter: Any = None,
               environ: Mapping[str, str] | None = None) -> bool:
-    """Install a tracer provider when the environment (default `os.environ`) configures
-    an exporter, or with `exporter` (a SpanExporter, exported span by span: tests);
-    whether tracing is on. ValueError for an exporter name we cannot build."""
+    """Install a tracer provider when the environment configures an exporter, or with
+    `exporter` (a SpanExporter, exported span by span: tests); whether tracing is on.
+    ValueError for an exporter we cannot build. `environ` (default `os.environ`) decides
+    the exporter; the SDK reads its other variables from `os.environ`."""
     global _provider, _tracer
     env = os.environ if environ is None else environ
     name = None if exporter is not None else exporter_name(env)
@@ -91,26 +92,23 @@ def configure(role: str, instance: str = "", exporter: Any = None,
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 
+    span_exporter = exporter if exporter is not None else _build_exporter(name or "", env)  # refused before any change
     resource = Resource.create({"disagg.role": role, **({SERVICE_INSTANCE_ID: instance} if instance else {})})
     if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):  # no OTEL_SERVICE_NAME
         resource = resource.merge(Resource({SERVICE_NAME: f"disagg-{role}"}))
     shutdown()
     provider = TracerProvider(resource=resource)  # the sampler from OTEL_TRACES_SAMPLER
-    if exporter is not None:
-        provider.add_span_processor(SimpleSpanProcessor(exporter))
-    else:
-        assert name is not None
-        provider.add_span_processor(BatchSpanProcessor(_build_exporter(name)))
+    processor = SimpleSpanProcessor if exporter is not None else BatchSpanProcessor
+    provider.add_span_processor(processor(span_exporter))
     _provider, _tracer = provider, provider.get_tracer(_INSTRUMENTATION)
     log.info("traces: on, exported with %s as %s", name or type(exporter).__name__,
              resource.attributes.get(SERVICE_NAME))
     return True
 
 
-def _build_exporter(name: str) -> Any:
+def _build_exporter(name: str, env: Mapping[str, str]) -> Any:
     if name == "otlp":
-        protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or os.environ.get(
-            "OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+        protocol = env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
         if protocol != "grpc":
             raise ValueError(f"OTLP over {protocol!r} is not installed: this worker exports OTLP over grpc "
                              "(set OTEL_EXPORTER_OTLP_PROTOCOL=grpc, or unset it)")
@@ -254,15 +252,15 @@ def server_call(service: str, method: str, metadata: Sequence[tuple[str, str | b
 
 
 class HttpTracing:
-    """ASGI middleware: a SERVER span for each request under `prefix` (the OpenAI API),
-    child of the client's `traceparent`, ended when the response (a stream too) is sent."""
+    """ASGI middleware: a SERVER span for each request to one of `paths` (fixed paths, so span
+    names stay few), child of the client's `traceparent`, ended once the response (a stream too) is sent."""
 
-    def __init__(self, app: Any, prefix: str = "/v1/") -> None:
+    def __init__(self, app: Any, paths: Iterable[str]) -> None:
         self.app = app
-        self._prefix = prefix
+        self._paths = frozenset(paths)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if _tracer is None or scope["type"] != "http" or not scope["path"].startswith(self._prefix):
+        if _tracer is None or scope["type"] != "http" or scope["path"] not in self._paths:
             await self.app(scope, receive, send)
             return
         method, path = scope["method"], scope["path"]
@@ -282,7 +280,7 @@ class HttpTracing:
             await self.app(scope, receive, send_traced)
 
 
-def instrument(app: Any) -> None:
-    """Trace `app`'s OpenAI routes (a FastAPI app); nothing when tracing is off."""
+def instrument(app: Any, paths: Iterable[str]) -> None:
+    """Trace the requests to `paths` of `app` (a FastAPI app); nothing when tracing is off."""
     if _tracer is not None:
-        app.add_middleware(HttpTracing)
+        app.add_middleware(HttpTracing, paths=paths)

@@ -60,6 +60,9 @@ def test_configured_only_by_the_environment() -> None:
     assert tracing.exporter_name({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "OTEL_SDK_DISABLED": "true"}) is None
     with pytest.raises(ValueError, match="no such span exporter"):
         tracing.configure("test", environ={"OTEL_TRACES_EXPORTER": "no-such-exporter"})
+    with pytest.raises(ValueError, match="OTLP over 'http/protobuf' is not installed"):
+        tracing.configure("test", environ={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318",
+                                           "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"})
     assert not tracing.is_enabled()
 
 
@@ -71,7 +74,7 @@ def test_off_is_a_no_op() -> None:
     assert tracing.start("x") is None and tracing.current() is None and tracing.inject() == ()
     assert tracing.record("x", 0.0, 1.0) is None
     app = FastAPI()
-    tracing.instrument(app)
+    tracing.instrument(app, ["/v1/echo"])
     assert app.user_middleware == []  # not even a pass-through layer
 
 
@@ -97,7 +100,7 @@ def _by_name(memory: InMemorySpanExporter, *names: str) -> list[ReadableSpan]:
 
 async def test_http_span_takes_the_clients_traceparent(memory: InMemorySpanExporter) -> None:
     app = FastAPI()
-    tracing.instrument(app)
+    tracing.instrument(app, ["/v1/echo"])
 
     @app.post("/v1/echo")
     async def echo() -> dict[str, str]:
@@ -111,7 +114,8 @@ async def test_http_span_takes_the_clients_traceparent(memory: InMemorySpanExpor
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://w") as client:
         assert (await client.post("/v1/echo", headers={"traceparent": TRACEPARENT})).status_code == 200
         assert (await client.get("/health")).status_code == 200
-    [span] = memory.get_finished_spans()  # /health is not traced
+        assert (await client.post("/v1/other")).status_code == 404
+    [span] = memory.get_finished_spans()  # only the paths asked for are traced
     assert span.name == "POST /v1/echo" and span.kind is SpanKind.SERVER
     assert span.context.trace_id == CLIENT_TRACE_ID and span.parent is not None
     assert span.parent.span_id == CLIENT_SPAN_ID

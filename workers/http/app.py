@@ -99,7 +99,7 @@ def build_app(state: AppState, client_api: bool = True, api_key: str | None = No
     with a 404 that says where to go; with `api_key`, /v1 needs it as a bearer token."""
     app = FastAPI(title="disagg worker", docs_url=None, redoc_url=None)
     install_error_handlers(app)
-    tracing.instrument(app)
+    tracing.instrument(app, ("/v1/completions", "/v1/chat/completions"))
     auth = [Depends(bearer_check(api_key))] if api_key else []
 
     @app.get("/health")
