@@ -288,6 +288,15 @@ def test_processes_export_one_linked_trace(processes: Any) -> None:
                              "both workers exported the request's spans")
         spans = [s for _, s in otlp.spans]
         services = {s.span_id: service for service, s in otlp.spans}
+        # A streamed chat, with no traceparent: a trace of its own, its HTTP span ended after the last event.
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True,
+                "ignore_eos": True}
+        streamed = httpx.post(f"{prefill.base_url}/v1/chat/completions", json=body, timeout=60.0)
+        assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]")
+        processes.wait_until(lambda: "POST /v1/chat/completions" in otlp.names(), "the streamed request's span")
+        [chat] = [s for _, s in otlp.spans if s.name == "POST /v1/chat/completions"]
+    assert chat.parent_id is None and chat.trace_id != CLIENT_TRACE_ID
+    assert chat.attributes["gen_ai.operation.name"] == "chat" and chat.attributes["gen_ai.usage.output_tokens"] == 4
     request = check_request_tree(spans, "PUSH")
     assert request.name == "POST /v1/completions" and request.kind is SpanKind.SERVER
     assert request.parent_id == CLIENT_SPAN_ID, "the client's traceparent is honoured"
