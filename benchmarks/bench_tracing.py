@@ -97,6 +97,8 @@ async def requests_per_mode(model: Path, args: argparse.Namespace) -> dict[str, 
         while not prefill.role.ready()[0]:
             assert time.monotonic() < deadline, "the prefill never learnt its decode"
             await asyncio.sleep(0.05)
+        backend = prefill.backend
+        assert backend is not None, "a prefill takes client requests"
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
         prompt = [(7 * i) % 300 + 3 for i in range(args.prompt_tokens)]
         seen: dict[str, list[float]] = {mode: [] for mode in args.modes}
@@ -105,7 +107,7 @@ async def requests_per_mode(model: Path, args: argparse.Namespace) -> dict[str, 
                 switch(mode)
                 began = time.perf_counter()
                 for i in range(args.requests):
-                    async for _ in prefill.role.generate(f"{mode}-{r}-{i}", prompt, params):
+                    async for _ in backend.generate(f"{mode}-{r}-{i}", prompt, params):
                         pass
                 if r:
                     seen[mode].append((time.perf_counter() - began) / args.requests)

@@ -252,7 +252,8 @@ class PrefillRole(EngineHealth["AsyncEngine[LLMEngine]"]):
             began = time.monotonic()
             with tracing.span("route", {tracing.REQUEST_ID: call.req_id}):  # AddNewRequests calls are its children
                 call.route = await self.router.reserve(request, call.stream.request.num_blocks)
-                tracing.annotate(_route_attributes(call.route))
+                if tracing.is_enabled():
+                    tracing.annotate(_route_attributes(call.route))
             reserve_s = time.monotonic() - began
             call.stream.decode = call.route.decode
             first = await self._prefill(call, call.route)

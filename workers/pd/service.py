@@ -140,8 +140,9 @@ class DisaggPDServicer(disagg_pd_pb2_grpc.DisaggPDServiceServicer):
         with tracing.server_call(convert.PD_SERVICE, "AddNewRequests", metadata):  # the admission
             reserved = iter(await _answer(context, lambda: intake.add_requests(request.prefill_name, reqs, reuse)))
             ordered = [answers[i] if i in answers else next(reserved) for i in range(len(request.reqs))]
-            tracing.annotate({"disagg.admission": [int(r.status) for r in ordered],
-                              tracing.KV_BLOCKS: sum(len(r.block_ids) for r in ordered)})
+            if tracing.is_enabled():
+                tracing.annotate({"disagg.admission": [int(r.status) for r in ordered],
+                                  tracing.KV_BLOCKS: sum(len(r.block_ids) for r in ordered)})
         context.set_trailing_metadata(convert.cached_blocks_metadata(ordered))
         return pb.DisaggResponses(resps=[convert.reservation_to_proto(r) for r in ordered])
 
