@@ -215,7 +215,7 @@ async def _until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None
 # --- two `disagg serve` processes, exporting over OTLP/gRPC -----------------------
 
 OTLP_DEFAULT_PORT = 4317  # where an SDK with no endpoint configured would export
-# One span of a request kind per OTLP kind (SPAN_KIND_INTERNAL = 1, ...; the SDK's INTERNAL = 0, ...).
+# OTLP's span kinds (SPAN_KIND_INTERNAL = 1, ...) as the SDK names them (INTERNAL = 0, ...).
 _KINDS = {1: SpanKind.INTERNAL, 2: SpanKind.SERVER, 3: SpanKind.CLIENT, 4: SpanKind.PRODUCER, 5: SpanKind.CONSUMER}
 
 
