@@ -26,6 +26,7 @@ import torch
 import uvicorn
 from fastapi import FastAPI
 
+from disagg.workers import tracing
 from disagg.workers.config import Role, ServerConfig
 from disagg.workers.engine.config import EngineConfig
 from disagg.workers.heap import freeze_startup_heap
@@ -152,7 +153,15 @@ def run(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     torch.set_num_threads(server_config.num_threads)  # once, before the model loads
     torch.set_num_interop_threads(1)
     log.info("compute threads: %d (inter-op: %d)", torch.get_num_threads(), torch.get_num_interop_threads())
-    return asyncio.run(serve(engine_config, server_config, ROLES[server_config.role]))
+    try:
+        tracing.configure(server_config.role.value, server_config.instance_name)
+    except ValueError as exc:
+        log.error("cannot start: %s", exc)
+        return 2
+    try:
+        return asyncio.run(serve(engine_config, server_config, ROLES[server_config.role]))
+    finally:
+        tracing.shutdown()  # exports the spans still buffered
 
 
 def _build_admin_app(state: AppState, config: ServerConfig, spec: RoleSpec,

@@ -194,17 +194,17 @@ class Processes:
         self.key_file = log_dir / "cluster.key"
         CLUSTER_KEY.write(self.key_file)
 
-    def spawn(self, role: str, *extra: str) -> WorkerProcess:
-        """Start one (not waiting for it: start several, then `wait_loaded` each)."""
+    def spawn(self, role: str, *extra: str, env: dict[str, str] | None = None) -> WorkerProcess:
+        """Start one (not waiting for it: start several, then `wait_loaded` each), with `env` added to ours."""
         log_path = self._log_dir / f"{role}-{len(self.started)}.log"
         worker = spawn_worker(role, str(self._model), log_path, [*PROCESS_ENGINE_ARGS, *extra],
-                              env={"OMP_NUM_THREADS": "1"}, key_file=self.key_file)
+                              env={"OMP_NUM_THREADS": "1", **(env or {})}, key_file=self.key_file)
         self.started.append(worker)
         return worker
 
-    def start(self, *specs: tuple[str, ...]) -> list[WorkerProcess]:
+    def start(self, *specs: tuple[str, ...], env: dict[str, str] | None = None) -> list[WorkerProcess]:
         """Start workers (each spec: role, then extra arguments) side by side; wait until all have loaded."""
-        workers = [self.spawn(*spec) for spec in specs]
+        workers = [self.spawn(*spec, env=env) for spec in specs]
         for worker in workers:
             worker.wait_loaded(PROCESS_STARTUP_S)
         return workers

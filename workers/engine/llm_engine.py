@@ -319,6 +319,7 @@ class LLMEngine:
             prompt_logprobs=prompt_logprobs,
             stop_reason=request.stop_reason,
             handed_off=handed_off,
+            scheduled_at=request.first_scheduled_at,
         )
 
     # --- state --------------------------------------------------------------

@@ -48,3 +48,4 @@ class RequestOutput:
     stop_reason: int | str | None = field(default=None)  # the stop token id or string that matched
     handed_off: bool = False
     served_by: str | None = None  # which workers served it, when not one engine alone (PD: usage.served_by)
+    scheduled_at: float | None = None  # time.monotonic() when the engine first scheduled it (its queue wait's end)

@@ -103,6 +103,7 @@ class Request:
         self.num_committed_blocks = 0  # leading blocks published to the prefix cache
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens the prefix cache served at the first schedule
+        self.first_scheduled_at: float | None = None  # time.monotonic() when it first left the queue
         self.num_preemptions = 0
 
         # Per-request sampling randomness, so that a seed reproduces whatever the batch.

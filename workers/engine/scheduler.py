@@ -20,6 +20,7 @@ running one may be HELD (`hold`: out of the batch, blocks kept until
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -152,6 +153,7 @@ class Scheduler:
             self.block_manager.allocate(request, cached_blocks, num_new)
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_cached
+                request.first_scheduled_at = time.monotonic()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled[request] = num_new

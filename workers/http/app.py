@@ -30,6 +30,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from disagg.workers import tracing
 from disagg.workers.http.backend import NO_CLIENT_API, Backend, Health, ModelInfo
 from disagg.workers.http.edge import Admission, RequestCheck, bearer_check, max_in_flight, read_body
 from disagg.workers.http.errors import APIError, NoSuchModel, NotReady, install_error_handlers
@@ -98,6 +99,7 @@ def build_app(state: AppState, client_api: bool = True, api_key: str | None = No
     with a 404 that says where to go; with `api_key`, /v1 needs it as a bearer token."""
     app = FastAPI(title="disagg worker", docs_url=None, redoc_url=None)
     install_error_handlers(app)
+    tracing.instrument(app, ("/v1/completions", "/v1/chat/completions"))
     auth = [Depends(bearer_check(api_key))] if api_key else []
 
     @app.get("/health")

@@ -12,8 +12,10 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
+from opentelemetry.util.types import AttributeValue
 from pydantic import BaseModel
 
+from disagg.workers import tracing
 from disagg.workers.engine.outputs import FinishReason, RequestOutput, TokenLogprob
 from disagg.workers.engine.tokenizer import Tokenizer
 from disagg.workers.http.backend import Backend
@@ -174,6 +176,8 @@ class OpenAIServing:
     def _record(self, call: Call, choices: list[Choice], status: str) -> None:
         end = time.monotonic()
         self.metrics.count_request(status)
+        if tracing.is_enabled():
+            tracing.annotate(_gen_ai_attributes(call, choices))
         for c in choices:
             ttft = None if c.first_token_at is None else c.first_token_at - call.arrival
             span = 0.0 if c.first_token_at is None or c.last_token_at is None else c.last_token_at - c.first_token_at
@@ -318,6 +322,19 @@ class OpenAIServing:
         if call.prompt_logprobs is None or choice.prompt_logprobs is None:
             return None
         return vllm_prompt_logprobs(self.tokenizer, choice.prompt_logprobs, call.prompt_logprobs)
+
+
+def _gen_ai_attributes(call: Call, choices: list[Choice]) -> dict[str, AttributeValue]:
+    """The request's span attributes, as OpenTelemetry's gen_ai semantic conventions name them."""
+    params = call.prepared.params
+    return {
+        tracing.GEN_AI_OPERATION: "chat" if call.kind == "chat" else "text_completion",
+        tracing.GEN_AI_MODEL: call.model_name, tracing.GEN_AI_RESPONSE_ID: call.request_id,
+        tracing.GEN_AI_MAX_TOKENS: params.max_tokens, tracing.GEN_AI_TEMPERATURE: params.temperature,
+        tracing.GEN_AI_TOP_P: params.top_p, tracing.GEN_AI_INPUT_TOKENS: call.num_prompt_tokens,
+        tracing.GEN_AI_OUTPUT_TOKENS: sum(c.num_output_tokens for c in choices),
+        tracing.GEN_AI_FINISH_REASONS: [str(c.finish_reason) for c in choices if c.finish_reason is not None],
+    }
 
 
 def _chat_answer(call: Call, choice: Choice) -> tuple[ChatResponseMessage, str | None]:

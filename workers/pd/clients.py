@@ -10,6 +10,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from disagg.proto import common_pb2, disagg_pd_pb2 as pb, disagg_pd_pb2_grpc, xllm_service_pb2_grpc
+from disagg.workers import tracing
 from disagg.workers.engine.outputs import RequestOutput
 from disagg.workers.pd import convert
 from disagg.workers.pd.config import PDConfig
@@ -114,9 +115,10 @@ class PeerClients:
         except ValueError as exc:
             raise RequestRefused(str(exc)) from exc
         try:
-            call = stub.AddNewRequests(msg, timeout=self._config.rpc_timeout_s, metadata=metadata)
-            answer = await call
-            trailing = await call.trailing_metadata()
+            with tracing.client_call(convert.PD_SERVICE, "AddNewRequests", decode) as trace_context:
+                call = stub.AddNewRequests(msg, timeout=self._config.rpc_timeout_s, metadata=metadata + trace_context)
+                answer = await call
+                trailing = await call.trailing_metadata()
         except grpc.aio.AioRpcError as exc:
             raise rpc_error(decode, exc) from exc
         if len(answer.resps) != len(reqs):
@@ -131,7 +133,9 @@ class PeerClients:
         stub = disagg_pd_pb2_grpc.DisaggPDServiceStub(self._channel(decode))
         msg = pb.DisaggGenerationsRequests(multi_gens=[convert.first_token_to_proto(first)])
         try:
-            status = await stub.FirstGeneration(msg, timeout=self._config.first_generation_timeout_s)
+            with tracing.client_call(convert.PD_SERVICE, "FirstGeneration", decode) as trace_context:
+                status = await stub.FirstGeneration(msg, timeout=self._config.first_generation_timeout_s,
+                                                    metadata=trace_context)
         except grpc.aio.AioRpcError as exc:
             raise rpc_error(decode, exc) from exc
         if not status.ok:

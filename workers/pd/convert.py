@@ -11,7 +11,7 @@ import json
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from disagg.proto import disagg_pd_pb2 as pb
+from disagg.proto import disagg_pd_pb2 as pb, xllm_service_pb2
 from disagg.proto.vocabulary import cluster_id, rank0_transfer_address
 from disagg.workers.engine.outputs import FinishReason, RequestOutput, TokenLogprob
 from disagg.workers.engine.sampling_params import SamplingParams
@@ -60,6 +60,10 @@ def request_from_proto(msg: pb.DisaggRequest) -> NewRequest:
     )
     return NewRequest(msg.req_id, list(msg.prompt_tokens), params, msg.source_xservice_addr)
 
+
+# The services' wire names (in traces): xllm.proto.DisaggPDService, xllm_service.proto.XllmRpcService.
+PD_SERVICE = pb.DESCRIPTOR.services_by_name["DisaggPDService"].full_name
+XLLM_SERVICE = xllm_service_pb2.DESCRIPTOR.services_by_name["XllmRpcService"].full_name
 
 # The sampling fields DisaggRequest has no field for travel as gRPC metadata of
 # AddNewRequests: JSON {req_id: {field: value}}, only for requests that set one.

@@ -21,7 +21,12 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
+from opentelemetry.context import Context
+from opentelemetry.trace import SpanKind
+from opentelemetry.util.types import AttributeValue
+
 from disagg.proto.vocabulary import InstanceInfo
+from disagg.workers import tracing
 from disagg.workers.engine.async_engine import AsyncEngine, EngineStats
 from disagg.workers.engine.llm_engine import LLMEngine, OutOfBlocks, PromptTooLarge
 from disagg.workers.engine.outputs import FinishReason, RequestOutput
@@ -30,6 +35,7 @@ from disagg.workers.http.backend import EngineHealth, ModelInfo
 from disagg.workers.metrics import RequestOutcome, WorkerMetrics
 from disagg.workers.pd.clients import PeerClients
 from disagg.workers.pd.config import PDConfig
+from disagg.workers.pd.convert import XLLM_SERVICE
 from disagg.workers.pd.errors import InvalidMessage, LinkRefused, PDError, PeerTimeout, PeerUnavailable, UnknownRequest
 from disagg.workers.pd.links import PeerTable
 from disagg.workers.pd.messages import Admission, FirstToken, NewRequest, Reservation, TransferMode
@@ -51,6 +57,7 @@ class _Incoming:
     block_ids: list[int]
     num_cached: int = 0  # leading blocks shared from our prefix cache: no KV comes for them
     reserved_at: float = field(default_factory=time.monotonic)
+    trace_context: Context | None = None  # its AddNewRequests span's, when tracing
     started: bool = False  # FirstGeneration arrived: no longer a bare reservation
     task: asyncio.Task[None] | None = None  # streams its outputs, once admitted
 
@@ -65,6 +72,19 @@ def merge_outputs(outputs: Sequence[RequestOutput]) -> RequestOutput:
         num_prompt_tokens=last.num_prompt_tokens, num_output_tokens=last.num_output_tokens,
         num_cached_tokens=last.num_cached_tokens, new_logprobs=logprobs or None, stop_reason=last.stop_reason,
     )
+
+
+def _kv_attributes(inc: _Incoming, mode: str, nbytes: int) -> dict[str, AttributeValue]:
+    return {tracing.KV_MODE: mode, tracing.PEER: inc.prefill, tracing.KV_BYTES: nbytes,
+            tracing.KV_BLOCKS: len(inc.block_ids) - inc.num_cached, tracing.KV_CACHED_BLOCKS: inc.num_cached}
+
+
+def _relay_attributes(inc: _Incoming, out: RequestOutput) -> dict[str, AttributeValue] | None:
+    """A Generations span's attributes (None when tracing is off: not built per token for nothing)."""
+    if not tracing.is_enabled():
+        return None
+    return {**tracing.rpc_attributes(XLLM_SERVICE, "Generations", inc.req.source_addr),
+            "disagg.tokens": len(out.new_token_ids)}
 
 
 class DecodeRole(EngineHealth["AsyncEngine[LLMEngine]"]):
@@ -162,7 +182,7 @@ class DecodeRole(EngineHealth["AsyncEngine[LLMEngine]"]):
             log.warning("request %s refused: %s", req.req_id, exc)
             return Reservation(req.req_id, Admission.REFUSED, [])
         self._metrics.observe_prefix_lookup(len(req.prompt_token_ids), num_cached * self._engine.block_size)
-        self._incoming[req.req_id] = _Incoming(req, prefill, blocks, num_cached)
+        self._incoming[req.req_id] = _Incoming(req, prefill, blocks, num_cached, trace_context=tracing.current())
         # Its pushes, until FirstGeneration: into the fresh blocks only, never the shared cached ones.
         self._transport.access.allow(prefill, req.req_id, blocks[num_cached:], Access.WRITE)
         return Reservation(req.req_id, Admission.OK, blocks, num_cached)
@@ -183,6 +203,9 @@ class DecodeRole(EngineHealth["AsyncEngine[LLMEngine]"]):
             else:
                 nbytes = (len(inc.block_ids) - inc.num_cached) * self._engine.block_bytes
                 self._metrics.observe_kv_transfer("received", inc.prefill, nbytes)  # the prefill times it
+                # Pushed bytes land unseen here: the span is the window they were written in.
+                tracing.record("kv_receive", inc.reserved_at, time.monotonic(), _kv_attributes(inc, "PUSH", nbytes),
+                               inc.trace_context)
             self._metrics.kv_transfer_skipped_blocks.inc(inc.num_cached)
             inc.task = asyncio.create_task(self._stream(inc, first), name=f"decode-{first.req_id}")
         except PDError as exc:
@@ -215,19 +238,28 @@ class DecodeRole(EngineHealth["AsyncEngine[LLMEngine]"]):
             raise PeerTimeout(f"pulling the KV of {inc.req.req_id}: {exc}") from exc
         except TransferError as exc:
             raise PeerUnavailable(f"pulling the KV of {inc.req.req_id}: {exc}") from exc
-        self._metrics.observe_kv_transfer("received", inc.prefill, handle.nbytes, time.monotonic() - started)
+        ended = time.monotonic()
+        self._metrics.observe_kv_transfer("received", inc.prefill, handle.nbytes, ended - started)
+        tracing.record("kv_receive", started, ended, _kv_attributes(inc, "PULL", handle.nbytes))
 
     async def _stream(self, inc: _Incoming, first: FirstToken) -> None:
         """Generate and stream to the prefill until finished, refused or failed;
         what the engine made while a Generations call was out goes in the next one."""
         req_id = inc.req.req_id
         status = RequestOutcome.ERROR
+        # One span for the whole decode phase (not one per token), child of FirstGeneration's.
+        phase = tracing.start("decode", {tracing.REQUEST_ID: req_id,
+                                         tracing.GEN_AI_INPUT_TOKENS: len(inc.req.prompt_token_ids)})
+        num_output_tokens = 1  # the prefill's
         try:
             # Closing the merge closes the engine stream: an unfinished request is aborted and freed.
             async with aclosing(merge_streams([self._outputs(inc, first)])) as batches:
                 async for batch in batches:
                     out = merge_outputs([o for _, o in batch])
-                    [tracked] = await self._clients.generations(inc.req.source_addr, [out])
+                    num_output_tokens = max(num_output_tokens, out.num_output_tokens)
+                    with tracing.span("Generations", _relay_attributes(inc, out), SpanKind.CLIENT,
+                                      tracing.context_of(phase)):
+                        [tracked] = await self._clients.generations(inc.req.source_addr, [out])
                     if not tracked:
                         status = RequestOutcome.ABORTED
                         break
@@ -239,6 +271,7 @@ class DecodeRole(EngineHealth["AsyncEngine[LLMEngine]"]):
         finally:
             self._incoming.pop(req_id, None)
             self._metrics.count_request(status)
+            tracing.end(phase, {tracing.GEN_AI_OUTPUT_TOKENS: num_output_tokens, "disagg.outcome": status})
 
     async def _outputs(self, inc: _Incoming, first: FirstToken) -> AsyncIterator[RequestOutput]:
         """The engine's outputs after the first token; an engine failure ends them

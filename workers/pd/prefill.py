@@ -32,7 +32,11 @@ from collections.abc import AsyncIterator, Coroutine, Sequence
 from typing import Any
 from dataclasses import dataclass, field
 
+from opentelemetry.trace import Span
+from opentelemetry.util.types import AttributeValue
+
 from disagg.proto.vocabulary import InstanceInfo
+from disagg.workers import tracing
 from disagg.workers.engine.async_engine import AsyncEngine, EngineStats
 from disagg.workers.engine.llm_engine import LLMEngine
 from disagg.workers.engine.outputs import RequestOutput
@@ -72,6 +76,24 @@ class _Call:
     task: asyncio.Task[None] | None = None  # the current attempt (the first, or a migration)
     migrations: int = 0
     moved_because: str = ""  # why its last decode failed it, once it moved
+    relay_span: Span | None = None  # the relay of its tokens to the client, when tracing
+
+
+def _route_attributes(route: Route) -> dict[str, AttributeValue]:
+    return {tracing.PEER: route.decode, tracing.KV_BLOCKS: len(route.block_ids),
+            tracing.KV_CACHED_BLOCKS: route.num_cached_blocks}
+
+
+def _trace_prefill(req_id: str, submitted: float, hand_off: RequestOutput) -> None:
+    """The queue wait and the prompt's forward of a request the engine handed off, as spans."""
+    if not tracing.is_enabled():
+        return
+    scheduled = hand_off.scheduled_at or submitted
+    attributes: dict[str, AttributeValue] = {tracing.REQUEST_ID: req_id}
+    tracing.record("queue", submitted, scheduled, attributes)
+    tracing.record("prefill", scheduled, time.monotonic(), {
+        **attributes, tracing.GEN_AI_INPUT_TOKENS: hand_off.num_prompt_tokens,
+        "disagg.cached_tokens": hand_off.num_cached_tokens})
 
 
 class PrefillRole(EngineHealth["AsyncEngine[LLMEngine]"]):
@@ -165,6 +187,7 @@ class PrefillRole(EngineHealth["AsyncEngine[LLMEngine]"]):
         finally:
             self._calls.pop(request_id, None)
             self.relay.close(request_id)
+            tracing.end(call.relay_span, {tracing.GEN_AI_OUTPUT_TOKENS: call.stream.request.num_output_tokens})
             if not call.started_on_decode and call.task is not None:
                 call.task.cancel()  # its cleanup frees what the request holds, here and on the decode
             if call.route is not None:
@@ -229,7 +252,10 @@ class PrefillRole(EngineHealth["AsyncEngine[LLMEngine]"]):
                     return
             request = NewRequest(call.req_id, call.prompt, dataclasses.replace(call.params, stop=()), self._name)
             began = time.monotonic()
-            call.route = await self.router.reserve(request, call.stream.request.num_blocks)
+            with tracing.span("route", {tracing.REQUEST_ID: call.req_id}):  # AddNewRequests calls are its children
+                call.route = await self.router.reserve(request, call.stream.request.num_blocks)
+                if tracing.is_enabled():
+                    tracing.annotate(_route_attributes(call.route))
             reserve_s = time.monotonic() - began
             call.stream.decode = call.route.decode
             first = await self._prefill(call, call.route)
@@ -291,9 +317,11 @@ class PrefillRole(EngineHealth["AsyncEngine[LLMEngine]"]):
         if not hand_off.handed_off:
             raise RequestRefused(f"the prefill engine ended request {call.req_id} ({hand_off.finish_reason})")
         call.held = True
+        _trace_prefill(call.req_id, began, hand_off)
         self._metrics.observe_prefix_lookup(len(call.prompt), hand_off.num_cached_tokens)
         self.costs.observe_prefill(len(call.prompt) - hand_off.num_cached_tokens, time.monotonic() - began)
         self.relay.first_token(call.stream, hand_off)
+        call.relay_span = call.relay_span or tracing.start("relay", {tracing.REQUEST_ID: call.stream.client_id})
         ttft = time.monotonic() - call.arrival
         token_id = hand_off.new_token_ids[0]
         logprob = hand_off.new_logprobs[0] if hand_off.new_logprobs else None

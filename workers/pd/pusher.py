@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from disagg.workers import tracing
 from disagg.workers.engine.scheduler import SchedulerOutput
 from disagg.workers.metrics import WorkerMetrics
 from disagg.workers.pd.errors import DecodeFailed
@@ -60,7 +61,20 @@ class KVPusher:
         nbytes = sum(h.nbytes for h in target.handles)
         seconds = time.monotonic() - target.started
         self._metrics.observe_kv_transfer("sent", target.decode, nbytes, seconds)
+        self._trace(target, nbytes, target.started + seconds)
         return nbytes, seconds
+
+    @staticmethod
+    def _trace(target: _Target, nbytes: int, ended: float) -> None:
+        """The request's transfer as a span, with one child per layer pushed (when tracing is on)."""
+        whole = tracing.record("kv_transfer", target.started, ended, {
+            tracing.KV_MODE: "PUSH", tracing.PEER: target.decode, tracing.KV_BYTES: nbytes,
+            tracing.KV_BLOCKS: len(target.dst_blocks) - target.skip, tracing.KV_CACHED_BLOCKS: target.skip})
+        if whole is None:
+            return
+        for layer, handle in enumerate(target.handles):  # one push per layer, in layer order
+            tracing.record("kv_transfer.layer", handle.started_at, handle.finished_at or ended,
+                           {tracing.KV_LAYER: layer, tracing.KV_BYTES: handle.nbytes}, whole)
 
     def stop(self, req_id: str) -> Callable[[], None] | None:
         """Push no further layer of `req_id`. Returns what waits for the pushes

@@ -25,6 +25,7 @@ from google.protobuf import json_format
 
 from disagg.proto import common_pb2, disagg_pd_pb2 as pb, disagg_pd_pb2_grpc, xllm_service_pb2_grpc
 from disagg.proto.vocabulary import InstanceInfo
+from disagg.workers import tracing
 from disagg.workers.engine.outputs import RequestOutput
 from disagg.workers.pd import convert, errors
 from disagg.workers.pd.messages import Admission, FirstToken, NewRequest, Reservation
@@ -136,8 +137,12 @@ class DisaggPDServicer(disagg_pd_pb2_grpc.DisaggPDServiceServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         reuse = convert.wants_prefix_reuse(metadata)
-        reserved = iter(await _answer(context, lambda: intake.add_requests(request.prefill_name, reqs, reuse)))
-        ordered = [answers[i] if i in answers else next(reserved) for i in range(len(request.reqs))]
+        with tracing.server_call(convert.PD_SERVICE, "AddNewRequests", metadata):  # the admission
+            reserved = iter(await _answer(context, lambda: intake.add_requests(request.prefill_name, reqs, reuse)))
+            ordered = [answers[i] if i in answers else next(reserved) for i in range(len(request.reqs))]
+            if tracing.is_enabled():
+                tracing.annotate({"disagg.admission": [int(r.status) for r in ordered],
+                                  tracing.KV_BLOCKS: sum(len(r.block_ids) for r in ordered)})
         context.set_trailing_metadata(convert.cached_blocks_metadata(ordered))
         return pb.DisaggResponses(resps=[convert.reservation_to_proto(r) for r in ordered])
 
@@ -146,13 +151,14 @@ class DisaggPDServicer(disagg_pd_pb2_grpc.DisaggPDServiceServicer):
         intake = await _answer(context, self._require_intake("FirstGeneration"))
         if not request.multi_gens:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "multi_gens is empty")
-        for msg in request.multi_gens:
-            try:
-                first = convert.first_token_from_proto(msg)
-            except ValueError as exc:
-                await _answer(context, lambda: intake.refuse_first(msg.req_id, str(exc)))
-                continue
-            await _answer(context, lambda: intake.first_generation(first))
+        with tracing.server_call(convert.PD_SERVICE, "FirstGeneration", context.invocation_metadata()):
+            for msg in request.multi_gens:
+                try:
+                    first = convert.first_token_from_proto(msg)
+                except ValueError as exc:
+                    await _answer(context, lambda: intake.refuse_first(msg.req_id, str(exc)))
+                    continue
+                await _answer(context, lambda: intake.first_generation(first))
         return common_pb2.Status(ok=True)
 
     async def MultiGenerations(self, request: pb.DisaggGenerationsRequests,

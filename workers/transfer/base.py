@@ -221,12 +221,14 @@ class TransferHandle:
     def __init__(self, parts: int, nbytes: int) -> None:
         assert parts >= 0, f"a transfer has a non-negative number of parts, got {parts}"
         self.nbytes = nbytes
+        self.started_at = time.monotonic()
+        self.finished_at: float | None = None  # time.monotonic() once done (for traces)
         self._left = parts
         self._error: str | None = None
         self._done = threading.Event()
         self._lock = threading.Lock()
         if parts == 0:
-            self._done.set()
+            self._finish()
 
     def part_done(self, error: str | None = None) -> None:
         """Report one part; `error` is a reason when that part failed."""
@@ -237,7 +239,11 @@ class TransferHandle:
             if error is not None:
                 self._error = error
             if error is not None or self._left == 0:
-                self._done.set()
+                self._finish()
+
+    def _finish(self) -> None:
+        self.finished_at = time.monotonic()
+        self._done.set()
 
     def done(self) -> bool:
         return self._done.is_set()
