@@ -56,7 +56,7 @@ from disagg.operator.roles import (
 from disagg.operator.scaler import Scaler
 from disagg.operator.snapshot import ClusterSnapshot, take_snapshot
 from disagg.operator.spec import ROLES, ClusterSpec, parse_spec
-from disagg.operator.status import build_status, status_changed
+from disagg.operator.status import build_status, invalid_spec_status, status_changed
 from disagg.workers.security.key import ClusterKey
 from disagg.workers.security.tls import CA_FILE, CERT_FILE, KEY_FILE, channel_credentials
 
@@ -184,6 +184,14 @@ class ClusterController:
         if any(v.awaits_model for v in snap.views):
             resync = min(resync, self.deps.settings.health_poll_s)
         return resync if due is None else max(0.05, min(resync, due - time.monotonic()))
+
+    async def report_invalid_spec(self, body: kopf.Body, message: str) -> None:
+        """The spec cannot be acted on (what the schema cannot refuse): say so in the status; the
+        caller posts the Event. Nothing else changes until the spec does."""
+        previous = body.get("status") or {}
+        status = invalid_spec_status(previous, int(body["metadata"].get("generation") or 0), message, _now_iso())
+        if status_changed(status, previous):
+            await self.deps.kube.patch_status(self.namespace, self.name, status)
 
     async def _autoscale(self, body: kopf.Body, spec: ClusterSpec, views: Sequence[PodView],
                          in_rollout: Mapping[str, bool]) -> None:

@@ -143,7 +143,8 @@ def _role_scaling(role: str) -> Schema:
 def status_schema() -> Schema:
     n = {"type": "integer", "format": "int32"}
     condition = _obj("A condition, as in Kubernetes objects.", {
-        "type": _str("Available, Progressing, Degraded, LinksReady, or MetricsAvailable (built-in autoscaler)."),
+        "type": _str("Available, Progressing, Degraded, LinksReady; MetricsAvailable (built-in autoscaler); "
+                     "SpecValid (False while the spec is invalid in a way the schema cannot refuse)."),
         "status": _str("True, False or Unknown.", enum=["True", "False", "Unknown"]),
         "reason": _str("A CamelCase reason."),
         "message": _str("What is wrong and what to do about it."),

@@ -156,6 +156,7 @@ async def reconcile(name: str, namespace: str | None, body: kopf.Body, memo: kop
             except kopf.PermanentError as e:
                 metrics.reconcile_errors.labels("reconcile").inc()
                 kopf.warn(body, reason="InvalidSpec", message=str(e))
+                await controller.report_invalid_spec(body, str(e))
             except ApiException as e:
                 if not _namespace_terminating(e):
                     metrics.reconcile_errors.labels("reconcile").inc()

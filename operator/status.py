@@ -18,6 +18,18 @@ from disagg.operator.spec import AUTOSCALER, ROLES, ClusterSpec
 
 CONDITIONS = ("Available", "Progressing", "Degraded", "LinksReady")
 METRICS_AVAILABLE = "MetricsAvailable"  # only while the built-in autoscaler runs
+SPEC_VALID = "SpecValid"  # only while the spec is invalid in a way the schema cannot refuse
+
+
+def invalid_spec_status(previous: Mapping[str, Any], generation: int, message: str, now: str) -> dict[str, Any]:
+    """The status while the spec cannot be acted on: the last pass's conditions, and SpecValid False
+    with the reason (a valid spec's next pass writes the conditions without it)."""
+    kept = [c for c in previous.get("conditions") or [] if c.get("type") != SPEC_VALID]
+    old: Mapping[str, Any] = next((c for c in previous.get("conditions") or [] if c.get("type") == SPEC_VALID), {})
+    since = old.get("lastTransitionTime") if old.get("status") == "False" else None
+    return {"observedGeneration": generation, "conditions": [*kept, {
+        "type": SPEC_VALID, "status": "False", "reason": "InvalidSpec", "message": message,
+        "lastTransitionTime": since or now, "observedGeneration": generation}]}
 
 
 @dataclass(frozen=True)

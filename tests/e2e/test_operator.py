@@ -89,6 +89,8 @@ def pods(core: client.CoreV1Api, namespace: str, role: str | None = None) -> lis
 
 # ---- the schema ----------------------------------------------------------------
 
+_AUTO: dict[str, Any] = {"prefill": {"minReplicas": 1, "maxReplicas": 2}, "decode": {"minReplicas": 1, "maxReplicas": 2}, "targets": {"ttftP90Ms": 500, "tpotP90Ms": 50}}
+
 
 @pytest.mark.parametrize("spec, message", [
     ({"prefill": {"replicas": 1}}, "spec.model: Required value"),
@@ -96,6 +98,16 @@ def pods(core: client.CoreV1Api, namespace: str, role: str | None = None) -> lis
     ({"model": {"source": "m"}, "decode": {"replicas": "two"}}, "spec.decode.replicas"),
     ({"model": {"source": "m"}, "kvTransfer": {"transport": "rdma"}}, 'Unsupported value: "rdma"'),
     ({"model": {"source": "m"}, "engine": {"blockSize": 0}}, "spec.engine.blockSize"),
+    # spec.scaling: what its schema refuses at apply (docs/autoscaling.md)
+    ({"model": {"source": "m"}, "scaling": {"autoscaler": {**_AUTO, "targets": {"ttftP90Ms": 0, "tpotP90Ms": 50}}}},
+     "spec.scaling.autoscaler.targets.ttftP90Ms"),
+    ({"model": {"source": "m"}, "scaling": {"autoscaler": {**_AUTO, "scaleDownStabilizationSeconds": 4000}}},
+     "spec.scaling.autoscaler.scaleDownStabilizationSeconds"),
+    ({"model": {"source": "m"}, "scaling": {"autoscaler": {**_AUTO, "maxStep": 0}}}, "spec.scaling.autoscaler.maxStep"),
+    ({"model": {"source": "m"}, "scaling": {"autoscaler": {**_AUTO, "decode": {"minReplicas": -1, "maxReplicas": 2}}}},
+     "spec.scaling.autoscaler.decode.minReplicas"),
+    ({"model": {"source": "m"}, "scaling": {"ratio": {"minPrefillPerDecode": "half", "maxPrefillPerDecode": "1"}}},
+     "spec.scaling.ratio.minPrefillPerDecode"),
 ])
 def test_invalid_resources_are_refused_by_the_api_server(custom: client.CustomObjectsApi, namespace: str,
                                                          spec: dict[str, Any], message: str) -> None:
