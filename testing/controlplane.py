@@ -2,10 +2,11 @@
 
 etcd, kube-apiserver (static-token authentication, Node+RBAC authorization,
 service-account signing keys, the default admission plugins plus
-NodeRestriction) and kube-controller-manager (garbage collector, namespaces,
-service accounts and their tokens, endpoints and endpoint slices, the root CA
-publisher, deployments and replica sets), each on free 127.0.0.1 ports with
-its data, keys, logs and kubeconfigs in one per-run folder.
+NodeRestriction, the aggregation layer) and kube-controller-manager (garbage
+collector, namespaces, service accounts and their tokens, endpoints and
+endpoint slices, the root CA publisher, deployments and replica sets, the
+HorizontalPodAutoscaler), each on free 127.0.0.1 ports with its data, keys,
+logs and kubeconfigs in one per-run folder.
 """
 
 from __future__ import annotations
@@ -25,7 +26,14 @@ import yaml
 
 from disagg.testing.binaries import Binaries
 from disagg.testing.lifecycle import StartStop
-from disagg.testing.pki import SERVICE_CIDR, Identity, new_identity, write_pki, write_token_file
+from disagg.testing.pki import (
+    FRONT_PROXY_CLIENT,
+    SERVICE_CIDR,
+    Identity,
+    new_identity,
+    write_pki,
+    write_token_file,
+)
 from disagg.testing.processes import ManagedProcess
 
 HOST = "127.0.0.1"
@@ -42,7 +50,12 @@ CONTROLLERS = (
     "root-ca-certificate-publisher-controller",
     "deployment-controller",
     "replicaset-controller",
+    "horizontal-pod-autoscaler-controller",
 )
+# The HPA controller's period and scale-down window, seconds rather than the
+# defaults' 15 s and 5 min, so a test sees it act both ways within a minute.
+HPA_SYNC_PERIOD = "2s"
+HPA_DOWNSCALE_STABILIZATION = "10s"
 
 
 class ControlPlaneError(RuntimeError):
@@ -171,6 +184,18 @@ class ControlPlane(StartStop):
             # The `kubernetes` Service's endpoint would be 127.0.0.1, which
             # Endpoints validation rejects; nothing here routes to it anyway.
             "--endpoint-reconciler-type=none",
+            # The aggregation layer, for extension API servers (a metrics adapter):
+            # it authenticates as the front proxy and names the caller in headers.
+            f"--requestheader-client-ca-file={pki.front_proxy_ca}",
+            f"--requestheader-allowed-names={FRONT_PROXY_CLIENT}",
+            "--requestheader-username-headers=X-Remote-User",
+            "--requestheader-group-headers=X-Remote-Group",
+            "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+            f"--proxy-client-cert-file={pki.front_proxy_client_cert}",
+            f"--proxy-client-key-file={pki.front_proxy_client_key}",
+            # Dial the APIService's endpoint, not its Service's ClusterIP, which
+            # nothing routes here (no kube-proxy).
+            "--enable-aggregator-routing=true",
             "--profiling=false",
         ], logs)
         self._wait_http(apiserver, f"{self.server_url}/readyz", deadline, token=self.admin.token)
@@ -189,6 +214,8 @@ class ControlPlane(StartStop):
             "--use-service-account-credentials=true",
             "--leader-elect=false",
             f"--service-cluster-ip-range={SERVICE_CIDR}",
+            f"--horizontal-pod-autoscaler-sync-period={HPA_SYNC_PERIOD}",
+            f"--horizontal-pod-autoscaler-downscale-stabilization={HPA_DOWNSCALE_STABILIZATION}",
             "--profiling=false",
         ], logs)
         # It serves a self-signed certificate of its own.
