@@ -95,6 +95,43 @@ def write_kubeconfig(path: Path, server: str, ca_file: Path, identity: Identity)
     path.chmod(0o600)
 
 
+def wait_http(proc: ManagedProcess, url: str, deadline: float, timeout_s: float, ca_file: Path | None,
+              token: str | None = None) -> None:
+    """Poll `url` until it answers 200; fail early if `proc` exits, late at `deadline` (`timeout_s`
+    after the start, for the message). Without `ca_file` the server's certificate is not checked."""
+    context = ssl.create_default_context(cafile=str(ca_file) if ca_file else None)
+    if ca_file is None:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    request = urllib.request.Request(url)
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    last = "no answer yet"
+    while True:
+        code = proc.poll()
+        if code is not None:
+            raise ControlPlaneError(
+                f"{proc.name} exited with code {code} before {url} was ready; "
+                f"log {proc.log_path}:\n{proc.tail()}"
+            )
+        try:
+            tls = context if url.startswith("https") else None
+            with urllib.request.urlopen(request, timeout=2, context=tls) as r:
+                if r.status == 200:
+                    return
+                last = f"HTTP {r.status}"
+        except urllib.error.HTTPError as e:
+            last = f"HTTP {e.code}: {e.read()[-2000:].decode(errors='replace')}"
+        except (OSError, ssl.SSLError) as e:
+            last = repr(e)
+        if time.monotonic() > deadline:
+            raise ControlPlaneError(
+                f"{proc.name} not ready at {url} within {timeout_s:.0f} s (last: {last}); "
+                f"log {proc.log_path}:\n{proc.tail()}"
+            )
+        time.sleep(0.2)
+
+
 class ControlPlane(StartStop):
     """etcd + kube-apiserver + kube-controller-manager; use as a context manager.
 
@@ -229,38 +266,7 @@ class ControlPlane(StartStop):
     def _wait_http(
         self, proc: ManagedProcess, url: str, deadline: float, token: str | None = None, verify: bool = True
     ) -> None:
-        """Poll `url` until it answers 200; fail early if `proc` exits, late at `deadline`."""
-        context = ssl.create_default_context(cafile=str(self.ca_file))
-        if not verify:
-            context.check_hostname = False
-            context.verify_mode = ssl.CERT_NONE
-        request = urllib.request.Request(url)
-        if token:
-            request.add_header("Authorization", f"Bearer {token}")
-        last = "no answer yet"
-        while True:
-            code = proc.poll()
-            if code is not None:
-                raise ControlPlaneError(
-                    f"{proc.name} exited with code {code} before {url} was ready; "
-                    f"log {proc.log_path}:\n{proc.tail()}"
-                )
-            try:
-                tls = context if url.startswith("https") else None
-                with urllib.request.urlopen(request, timeout=2, context=tls) as r:
-                    if r.status == 200:
-                        return
-                    last = f"HTTP {r.status}"
-            except urllib.error.HTTPError as e:
-                last = f"HTTP {e.code}: {e.read()[-2000:].decode(errors='replace')}"
-            except (OSError, ssl.SSLError) as e:
-                last = repr(e)
-            if time.monotonic() > deadline:
-                raise ControlPlaneError(
-                    f"{proc.name} not ready at {url} within {self.start_timeout_s:.0f} s (last: {last}); "
-                    f"log {proc.log_path}:\n{proc.tail()}"
-                )
-            time.sleep(0.2)
+        wait_http(proc, url, deadline, self.start_timeout_s, self.ca_file if verify else None, token)
 
     # ---- stop -----------------------------------------------------------
 
