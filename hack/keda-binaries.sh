@@ -44,9 +44,12 @@ flock 9
 
 # The Go release KEDA's go.mod asks for (its "go" line). With the local Go
 # the download reports that as an error but still fetches the go.mod.
-gomod=$( (cd "$CACHE" && GOTOOLCHAIN=local go mod download -json "$MODULE@$KEDA_VERSION" 2>/dev/null || true) \
-  | sed -n 's/.*"GoMod": "\(.*\)".*/\1/p')
-[ -f "$gomod" ] || { log "cannot download $MODULE@$KEDA_VERSION"; exit 1; }
+download=$(cd "$CACHE" && GOTOOLCHAIN=local go mod download -json "$MODULE@$KEDA_VERSION" 2>/dev/null || true)
+gomod=$(sed -n 's/.*"GoMod": "\(.*\)".*/\1/p' <<<"$download")
+if [ ! -f "$gomod" ]; then
+  log "cannot download $MODULE@$KEDA_VERSION: $(sed -n 's/.*"Error": "\(.*\)".*/\1/p' <<<"$download")"
+  exit 1
+fi
 export GOTOOLCHAIN="go$(sed -n 's/^go \([0-9.]*\)$/\1/p' "$gomod")"
 
 if [ ! -x "$BIN/keda" ] || [ ! -x "$BIN/keda-adapter" ]; then
