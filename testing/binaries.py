@@ -43,6 +43,23 @@ def _pick(name: str, build_dir: Path | None) -> Path | None:
     return None
 
 
+def run_build_script(script: Path, timeout_s: float) -> list[str]:
+    """Run one of hack/'s build scripts; returns its stdout lines (never empty: the last names a folder).
+
+    Raises BinariesError with the script's output tail when it fails.
+    """
+    try:
+        done = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired as e:
+        raise BinariesError(f"{script} ran past {timeout_s:.0f} s") from e
+    if done.returncode != 0:
+        raise BinariesError(f"{script} failed with exit code {done.returncode}:\n{done.stderr[-4000:]}")
+    lines = done.stdout.strip().splitlines()
+    if not lines:
+        raise BinariesError(f"{script} printed no folder:\n{done.stderr[-4000:]}")
+    return lines
+
+
 def find_binaries(build: bool = True, build_timeout_s: float = 5400.0) -> Binaries:
     """Locate the binaries, building the missing ones first when `build`.
 
@@ -52,24 +69,7 @@ def find_binaries(build: bool = True, build_timeout_s: float = 5400.0) -> Binari
     if build:
         if not BUILD_SCRIPT.is_file():
             raise BinariesError(f"{BUILD_SCRIPT} is missing (an installed wheel has no hack/); set KUBEBUILDER_ASSETS")
-        try:
-            done = subprocess.run(
-                ["bash", str(BUILD_SCRIPT)],
-                capture_output=True,
-                text=True,
-                timeout=build_timeout_s,
-                check=False,
-            )
-        except subprocess.TimeoutExpired as e:
-            raise BinariesError(f"{BUILD_SCRIPT} ran past {build_timeout_s:.0f} s") from e
-        if done.returncode != 0:
-            raise BinariesError(
-                f"{BUILD_SCRIPT} failed with exit code {done.returncode}:\n{done.stderr[-4000:]}"
-            )
-        lines = done.stdout.strip().splitlines()
-        if not lines:
-            raise BinariesError(f"{BUILD_SCRIPT} printed no folder:\n{done.stderr[-4000:]}")
-        build_dir = Path(lines[-1])
+        build_dir = Path(run_build_script(BUILD_SCRIPT, build_timeout_s)[-1])
     found = {name: _pick(name, build_dir) for name in CONTROL_PLANE_BINARIES + ("helm", "kubectl")}
     missing = [name for name in CONTROL_PLANE_BINARIES if found[name] is None]
     if missing:

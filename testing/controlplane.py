@@ -2,10 +2,11 @@
 
 etcd, kube-apiserver (static-token authentication, Node+RBAC authorization,
 service-account signing keys, the default admission plugins plus
-NodeRestriction) and kube-controller-manager (garbage collector, namespaces,
-service accounts and their tokens, endpoints and endpoint slices, the root CA
-publisher, deployments and replica sets), each on free 127.0.0.1 ports with
-its data, keys, logs and kubeconfigs in one per-run folder.
+NodeRestriction, the aggregation layer) and kube-controller-manager (garbage
+collector, namespaces, service accounts and their tokens, endpoints and
+endpoint slices, the root CA publisher, deployments and replica sets, the
+HorizontalPodAutoscaler), each on free 127.0.0.1 ports with its data, keys,
+logs and kubeconfigs in one per-run folder.
 """
 
 from __future__ import annotations
@@ -25,7 +26,14 @@ import yaml
 
 from disagg.testing.binaries import Binaries
 from disagg.testing.lifecycle import StartStop
-from disagg.testing.pki import SERVICE_CIDR, Identity, new_identity, write_pki, write_token_file
+from disagg.testing.pki import (
+    FRONT_PROXY_CLIENT,
+    SERVICE_CIDR,
+    Identity,
+    new_identity,
+    write_pki,
+    write_token_file,
+)
 from disagg.testing.processes import ManagedProcess
 
 HOST = "127.0.0.1"
@@ -42,7 +50,12 @@ CONTROLLERS = (
     "root-ca-certificate-publisher-controller",
     "deployment-controller",
     "replicaset-controller",
+    "horizontal-pod-autoscaler-controller",
 )
+# The HPA controller's period and scale-down window, seconds rather than the
+# defaults' 15 s and 5 min, so a test sees it act both ways within a minute.
+HPA_SYNC_PERIOD = "2s"
+HPA_DOWNSCALE_STABILIZATION = "10s"
 
 
 class ControlPlaneError(RuntimeError):
@@ -80,6 +93,43 @@ def write_kubeconfig(path: Path, server: str, ca_file: Path, identity: Identity)
     }
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     path.chmod(0o600)
+
+
+def wait_http(proc: ManagedProcess, url: str, deadline: float, timeout_s: float, ca_file: Path | None,
+              token: str | None = None) -> None:
+    """Poll `url` until it answers 200; fail early if `proc` exits, late at `deadline` (`timeout_s`
+    after the start, for the message). Without `ca_file` the server's certificate is not checked."""
+    context = ssl.create_default_context(cafile=str(ca_file) if ca_file else None)
+    if ca_file is None:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    request = urllib.request.Request(url)
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    last = "no answer yet"
+    while True:
+        code = proc.poll()
+        if code is not None:
+            raise ControlPlaneError(
+                f"{proc.name} exited with code {code} before {url} was ready; "
+                f"log {proc.log_path}:\n{proc.tail()}"
+            )
+        try:
+            tls = context if url.startswith("https") else None
+            with urllib.request.urlopen(request, timeout=2, context=tls) as r:
+                if r.status == 200:
+                    return
+                last = f"HTTP {r.status}"
+        except urllib.error.HTTPError as e:
+            last = f"HTTP {e.code}: {e.read()[-2000:].decode(errors='replace')}"
+        except (OSError, ssl.SSLError) as e:
+            last = repr(e)
+        if time.monotonic() > deadline:
+            raise ControlPlaneError(
+                f"{proc.name} not ready at {url} within {timeout_s:.0f} s (last: {last}); "
+                f"log {proc.log_path}:\n{proc.tail()}"
+            )
+        time.sleep(0.2)
 
 
 class ControlPlane(StartStop):
@@ -171,6 +221,18 @@ class ControlPlane(StartStop):
             # The `kubernetes` Service's endpoint would be 127.0.0.1, which
             # Endpoints validation rejects; nothing here routes to it anyway.
             "--endpoint-reconciler-type=none",
+            # The aggregation layer, for extension API servers (a metrics adapter):
+            # it authenticates as the front proxy and names the caller in headers.
+            f"--requestheader-client-ca-file={pki.front_proxy_ca}",
+            f"--requestheader-allowed-names={FRONT_PROXY_CLIENT}",
+            "--requestheader-username-headers=X-Remote-User",
+            "--requestheader-group-headers=X-Remote-Group",
+            "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+            f"--proxy-client-cert-file={pki.front_proxy_client_cert}",
+            f"--proxy-client-key-file={pki.front_proxy_client_key}",
+            # Dial the APIService's endpoint, not its Service's ClusterIP, which
+            # nothing routes here (no kube-proxy).
+            "--enable-aggregator-routing=true",
             "--profiling=false",
         ], logs)
         self._wait_http(apiserver, f"{self.server_url}/readyz", deadline, token=self.admin.token)
@@ -189,6 +251,8 @@ class ControlPlane(StartStop):
             "--use-service-account-credentials=true",
             "--leader-elect=false",
             f"--service-cluster-ip-range={SERVICE_CIDR}",
+            f"--horizontal-pod-autoscaler-sync-period={HPA_SYNC_PERIOD}",
+            f"--horizontal-pod-autoscaler-downscale-stabilization={HPA_DOWNSCALE_STABILIZATION}",
             "--profiling=false",
         ], logs)
         # It serves a self-signed certificate of its own.
@@ -202,38 +266,7 @@ class ControlPlane(StartStop):
     def _wait_http(
         self, proc: ManagedProcess, url: str, deadline: float, token: str | None = None, verify: bool = True
     ) -> None:
-        """Poll `url` until it answers 200; fail early if `proc` exits, late at `deadline`."""
-        context = ssl.create_default_context(cafile=str(self.ca_file))
-        if not verify:
-            context.check_hostname = False
-            context.verify_mode = ssl.CERT_NONE
-        request = urllib.request.Request(url)
-        if token:
-            request.add_header("Authorization", f"Bearer {token}")
-        last = "no answer yet"
-        while True:
-            code = proc.poll()
-            if code is not None:
-                raise ControlPlaneError(
-                    f"{proc.name} exited with code {code} before {url} was ready; "
-                    f"log {proc.log_path}:\n{proc.tail()}"
-                )
-            try:
-                tls = context if url.startswith("https") else None
-                with urllib.request.urlopen(request, timeout=2, context=tls) as r:
-                    if r.status == 200:
-                        return
-                    last = f"HTTP {r.status}"
-            except urllib.error.HTTPError as e:
-                last = f"HTTP {e.code}: {e.read()[-2000:].decode(errors='replace')}"
-            except (OSError, ssl.SSLError) as e:
-                last = repr(e)
-            if time.monotonic() > deadline:
-                raise ControlPlaneError(
-                    f"{proc.name} not ready at {url} within {self.start_timeout_s:.0f} s (last: {last}); "
-                    f"log {proc.log_path}:\n{proc.tail()}"
-                )
-            time.sleep(0.2)
+        wait_http(proc, url, deadline, self.start_timeout_s, self.ca_file if verify else None, token)
 
     # ---- stop -----------------------------------------------------------
 

@@ -193,6 +193,14 @@ class LocalKubelet:
                     return rt.process.pid
         return None
 
+    def take_address(self) -> str:
+        """An address of this node's pool that no pod will get: for a process on the host that a
+        Service must reach (an EndpointSlice names it), such as an extension API server."""
+        with self._lock:
+            if not self._free_ips:
+                raise RuntimeError(f"{self.node_name}: the pod address pool is exhausted")
+            return self._free_ips.pop()
+
     # ---- node -------------------------------------------------------------
 
     def _node_status(self) -> dict[str, Any]:

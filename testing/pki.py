@@ -2,7 +2,9 @@
 
 One short-lived CA signs the API server's serving certificate; an RSA key
 pair signs service-account tokens; random bearer tokens name the identities
-of the static token file.
+of the static token file. A second CA, the front proxy's, signs the client
+certificate the aggregation layer presents to extension API servers (a metrics
+adapter), which trust the user it names in X-Remote-User only from that CA.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from cryptography.x509.oid import NameOID
 # which in-cluster clients verify against the serving certificate.
 SERVICE_CIDR = "10.0.0.0/24"
 _VALIDITY = datetime.timedelta(days=7)
+# The name the API server's proxy client certificate carries (--requestheader-allowed-names).
+FRONT_PROXY_CLIENT = "front-proxy-client"
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,9 @@ class PkiFiles:
     serving_key: Path
     sa_key: Path  # RSA private key: signs service-account tokens
     sa_pub: Path  # its public half: verifies them
+    front_proxy_ca: Path  # --requestheader-client-ca-file
+    front_proxy_client_cert: Path  # --proxy-client-cert-file
+    front_proxy_client_key: Path
 
 
 def _write_key(path: Path, key: rsa.RSAPrivateKey | ec.EllipticCurvePrivateKey) -> None:
@@ -71,13 +78,14 @@ def _name(common_name: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
 
 
-def _ca(now: datetime.datetime) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+def _ca(now: datetime.datetime, common_name: str = "disagg-test-ca") -> tuple[ec.EllipticCurvePrivateKey,
+                                                                             x509.Certificate]:
     # EC keys for TLS: generating them is instant, unlike RSA.
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_cert = (
         x509.CertificateBuilder()
-        .subject_name(_name("disagg-test-ca"))
-        .issuer_name(_name("disagg-test-ca"))
+        .subject_name(_name(common_name))
+        .issuer_name(_name(common_name))
         .public_key(ca_key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5))
@@ -137,7 +145,8 @@ def write_tls_folder(directory: Path, hosts: list[str]) -> Path:
 
 
 def write_pki(directory: Path, hosts: list[str]) -> PkiFiles:
-    """Create the CA, the serving certificate for `hosts` and the SA key pair."""
+    """Create the CA, the serving certificate for `hosts`, the SA key pair and the front proxy's CA and
+    client certificate."""
     directory.mkdir(parents=True, exist_ok=True)
     now = datetime.datetime.now(datetime.timezone.utc)
     ca_key, ca_cert = _ca(now)
@@ -146,6 +155,10 @@ def write_pki(directory: Path, hosts: list[str]) -> PkiFiles:
     # Service-account tokens are RS256 by convention; 2048 bits is the minimum
     # the API server accepts.
     sa_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    # A CA of its own: a certificate the main CA signs must not pass as the front proxy.
+    front_ca = _ca(now, "disagg-test-front-proxy-ca")
+    proxy_key, proxy_cert = _leaf(front_ca, FRONT_PROXY_CLIENT, [FRONT_PROXY_CLIENT],
+                                  [x509.oid.ExtendedKeyUsageOID.CLIENT_AUTH], now)
 
     files = PkiFiles(
         ca_cert=directory / "ca.crt",
@@ -154,12 +167,18 @@ def write_pki(directory: Path, hosts: list[str]) -> PkiFiles:
         serving_key=directory / "apiserver.key",
         sa_key=directory / "sa.key",
         sa_pub=directory / "sa.pub",
+        front_proxy_ca=directory / "front-proxy-ca.crt",
+        front_proxy_client_cert=directory / "front-proxy-client.crt",
+        front_proxy_client_key=directory / "front-proxy-client.key",
     )
     files.ca_cert.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
     _write_key(files.ca_key, ca_key)
     files.serving_cert.write_bytes(serving_cert.public_bytes(serialization.Encoding.PEM))
     _write_key(files.serving_key, serving_key)
     _write_key(files.sa_key, sa_key)
+    files.front_proxy_ca.write_bytes(front_ca[1].public_bytes(serialization.Encoding.PEM))
+    files.front_proxy_client_cert.write_bytes(proxy_cert.public_bytes(serialization.Encoding.PEM))
+    _write_key(files.front_proxy_client_key, proxy_key)
     files.sa_pub.write_bytes(
         sa_key.public_key().public_bytes(
             serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo

@@ -7,19 +7,22 @@ ratio band clamps the owners' counts.
 from __future__ import annotations
 
 import json
-import sys
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from kubernetes import client
 
 from disagg.operator import crd
 from disagg.operator import manifests as m
 from disagg.testing.cluster import wait_until
+from disagg.testing.elastic import (
+    event_reasons,
+    external_decode_cluster,
+    load_until_second_decode,
+    serving,
+    settled,
+)
 from disagg.testing.kubectl import Kubectl
 from disagg.testing.operator_process import OperatorProcess
 
@@ -28,42 +31,10 @@ pytestmark = pytest.mark.e2e
 WAIT_S = 180.0
 
 
-def _cluster(model: Path) -> dict[str, Any]:
-    """One prefill (static) and one decode (external), on the tiny model."""
-    return {"apiVersion": f"{crd.GROUP}/{crd.VERSION}", "kind": crd.KIND, "metadata": {"name": "llm"},
-            "spec": {"model": {"source": str(model)}, "image": "local",
-                     "prefill": {"replicas": 1}, "decode": {"replicas": 1, "scaling": "external"},
-                     "engine": {"device": "cpu", "dtype": "float32", "blockSize": 4, "numKvBlocks": 128,
-                                "maxNumSeqs": 4},
-                     "drain": {"timeoutSeconds": 20}}}
-
-
-def _serving(kubectl: Kubectl, namespace: str, role: str) -> list[str]:
-    """The role's pods that are not going away, if every one of them is Ready and gated in; else []."""
-    found = kubectl.json("get", "pods", "-n", namespace, "-l", f"{m.CLUSTER_LABEL}=llm,{m.ROLE_LABEL}={role}")
-    live = [p for p in found["items"] if not p["metadata"].get("deletionTimestamp")]
-    conditions = [{c["type"]: c["status"] for c in p["status"].get("conditions") or []} for p in live]
-    if not all(c.get("Ready") == "True" and c.get(m.LINKED_GATE) == "True" for c in conditions):
-        return []
-    return [p["metadata"]["name"] for p in live]
-
-
-def _settled(kubectl: Kubectl, namespace: str, prefill: int, decode: int) -> bool:
-    status = kubectl.json("get", "dc", "llm", "-n", namespace).get("status") or {}
-    serving = {role: len(_serving(kubectl, namespace, role)) for role in ("prefill", "decode")}
-    return (serving == {"prefill": prefill, "decode": decode}
-            and status.get("links", {}).get("established") == prefill * decode
-            and status.get("decodeReady") == f"{decode}/{decode}")
-
-
-def _reasons(kubectl: Kubectl, namespace: str) -> list[str]:
-    return [e["reason"] for e in kubectl.json("get", "events", "-n", namespace)["items"]]
-
-
 def test_roles_scale_through_their_scale_subresource(operator: OperatorProcess, custom: client.CustomObjectsApi,
                                                      kubectl: Kubectl, namespace: str, tiny_model: Path) -> None:
     created = custom.create_namespaced_custom_object(crd.GROUP, crd.VERSION, namespace, crd.PLURAL,
-                                                     _cluster(tiny_model), _request_timeout=10)
+                                                     external_decode_cluster(tiny_model), _request_timeout=10)
 
     def children() -> list[dict[str, Any]] | None:
         found = kubectl.json("get", "dr", "-n", namespace)["items"]
@@ -75,7 +46,7 @@ def test_roles_scale_through_their_scale_subresource(operator: OperatorProcess, 
         assert (ref["kind"], ref["uid"], ref["controller"]) == (crd.KIND, created["metadata"]["uid"], True)
         assert child["status"]["selector"] == f"{m.CLUSTER_LABEL}=llm,{m.ROLE_LABEL}={role}"
         assert child["status"]["owner"] == ("external" if role == "decode" else "static")
-    wait_until(lambda: _settled(kubectl, namespace, 1, 1), WAIT_S, "one prefill and one decode, linked")
+    wait_until(lambda: settled(kubectl, namespace, 1, 1), WAIT_S, "one prefill and one decode, linked")
     status = kubectl.json("get", "dc", "llm", "-n", namespace)["status"]
     assert status["scaling"] == {"prefill": {"owner": "static", "desired": 1},
                                  "decode": {"owner": "external", "desired": 1}, "ratio": ""}
@@ -87,7 +58,7 @@ def test_roles_scale_through_their_scale_subresource(operator: OperatorProcess, 
 
     # An external role: kubectl scale (through /scale) makes the pod, linked and gated.
     kubectl("scale", "dr/llm-decode", "--replicas", "2", "-n", namespace)
-    wait_until(lambda: _settled(kubectl, namespace, 1, 2), WAIT_S, "two decodes, linked and gated")
+    wait_until(lambda: settled(kubectl, namespace, 1, 2), WAIT_S, "two decodes, linked and gated")
     assert kubectl.json("get", "dc", "llm", "-n", namespace)["spec"]["decode"]["replicas"] == 1, "left as it was"
     table = kubectl("get", "dr", "-n", namespace).stdout.splitlines()
     assert table[0].split()[:5] == ["NAME", "OWNER", "DESIRED", "REPLICAS", "READY"], table
@@ -95,35 +66,36 @@ def test_roles_scale_through_their_scale_subresource(operator: OperatorProcess, 
 
     # A static role: the operator sets the child back, and says so; no pod is made.
     kubectl("scale", "dr/llm-prefill", "--replicas", "3", "-n", namespace)
-    wait_until(lambda: "ScaleOverridden" in _reasons(kubectl, namespace) or None, WAIT_S, "the ScaleOverridden Event")
+    wait_until(lambda: "ScaleOverridden" in event_reasons(kubectl, namespace) or None, WAIT_S,
+               "the ScaleOverridden Event")
     wait_until(lambda: kubectl.json("get", "dr", "llm-prefill", "-n", namespace)["spec"]["replicas"] == 1 or None,
                WAIT_S, "the static role's count set back")
-    assert len(_serving(kubectl, namespace, "prefill")) == 1
+    assert len(serving(kubectl, namespace, "prefill")) == 1
 
     # A scale-down through /scale drains and unlinks, as a manual one does.
-    before = set(_serving(kubectl, namespace, "decode"))
+    before = set(serving(kubectl, namespace, "decode"))
     kubectl("patch", "dr", "llm-decode", "-n", namespace, "--subresource", "scale", "--type", "merge", "-p",
             json.dumps({"spec": {"replicas": 1}}))
-    wait_until(lambda: _settled(kubectl, namespace, 1, 1), WAIT_S, "back to one decode")
-    assert len(before - set(_serving(kubectl, namespace, "decode"))) == 1
-    assert "Drained" in _reasons(kubectl, namespace)
+    wait_until(lambda: settled(kubectl, namespace, 1, 1), WAIT_S, "back to one decode")
+    assert len(before - set(serving(kubectl, namespace, "decode"))) == 1
+    assert "Drained" in event_reasons(kubectl, namespace)
 
     # Handing the role back to the cluster's count: static again, at spec.decode.replicas.
     kubectl("patch", "dc", "llm", "-n", namespace, "--type", "merge", "-p",
             json.dumps({"spec": {"decode": {"scaling": "static", "replicas": 2}}}))
-    wait_until(lambda: _settled(kubectl, namespace, 1, 2), WAIT_S, "two decodes, static")
+    wait_until(lambda: settled(kubectl, namespace, 1, 2), WAIT_S, "two decodes, static")
     assert kubectl.json("get", "dr", "llm-decode", "-n", namespace)["status"]["owner"] == "static"
-    assert "ScalingOwnerChanged" in _reasons(kubectl, namespace)
+    assert "ScalingOwnerChanged" in event_reasons(kubectl, namespace)
 
     # The P:D ratio band clamps whoever's counts: one prefill per decode grows prefill to 2.
     kubectl("patch", "dc", "llm", "-n", namespace, "--type", "merge", "-p",
             json.dumps({"spec": {"scaling": {"ratio": {"minPrefillPerDecode": "1", "maxPrefillPerDecode": "1"}}}}))
-    wait_until(lambda: _settled(kubectl, namespace, 2, 2), WAIT_S, "two prefills, as the band asks")
+    wait_until(lambda: settled(kubectl, namespace, 2, 2), WAIT_S, "two prefills, as the band asks")
     status = kubectl.json("get", "dc", "llm", "-n", namespace)["status"]
     assert "prefill 1->2" in status["scaling"]["ratio"] and status["scaling"]["prefill"]["desired"] == 2
     prefill = kubectl.json("get", "dr", "llm-prefill", "-n", namespace)
     assert (prefill["spec"]["replicas"], prefill["status"]["desired"]) == (1, 2), "the owner's count is kept as asked"
-    assert "RatioBand" in _reasons(kubectl, namespace)
+    assert "RatioBand" in event_reasons(kubectl, namespace)
     assert operator.metric("disagg_operator_ratio_band_adjustment_replicas", namespace=namespace, cluster="llm",
                            role="prefill") == 1
 
@@ -131,7 +103,7 @@ def test_roles_scale_through_their_scale_subresource(operator: OperatorProcess, 
 def _autoscaled(model: Path) -> dict[str, Any]:
     """The decode role on the built-in autoscaler: one sequence per pod is its capacity, so a few
     concurrent streams ask for a second pod; once they stop, 8 s of quiet take it away again."""
-    body = _cluster(model)
+    body = external_decode_cluster(model)
     body["spec"]["decode"] = {"replicas": 1}
     body["spec"]["scaling"] = {"autoscaler": {
         "prefill": {"minReplicas": 1, "maxReplicas": 1},
@@ -142,70 +114,31 @@ def _autoscaled(model: Path) -> dict[str, Any]:
     return body
 
 
-class _Load:
-    """Streams of chat requests to one prefill from a few threads until stopped; every failure kept."""
-
-    def __init__(self, ip: str, streams: int = 3) -> None:
-        self.url = f"http://{ip}:{m.HTTP_PORT}/v1"
-        self.model = httpx.get(f"{self.url}/models", timeout=10).json()["data"][0]["id"]
-        self.stop = threading.Event()
-        self.done = 0
-        self.failures: list[str] = []
-        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(streams)]
-        for t in self.threads:
-            t.start()
-
-    def _run(self) -> None:
-        with httpx.Client(timeout=60) as http:
-            while not self.stop.is_set():
-                try:
-                    r = http.post(f"{self.url}/chat/completions", json={
-                        "model": self.model, "messages": [{"role": "user", "content": "count"}],
-                        "max_tokens": 24, "temperature": 0, "ignore_eos": True})
-                    r.raise_for_status()
-                    assert r.json()["usage"]["completion_tokens"] == 24, r.text
-                    self.done += 1
-                except (httpx.HTTPError, AssertionError) as e:
-                    self.failures.append(repr(e))
-
-    def finish(self) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join(timeout=70)
-
-
 def test_the_builtin_autoscaler_scales_on_real_load_and_back_through_drain(
         operator: OperatorProcess, custom: client.CustomObjectsApi, kubectl: Kubectl, namespace: str,
         tiny_model: Path) -> None:
     custom.create_namespaced_custom_object(crd.GROUP, crd.VERSION, namespace, crd.PLURAL, _autoscaled(tiny_model),
                                            _request_timeout=10)
     # Before any pod serves there is nothing to read: it holds, and says why.
-    wait_until(lambda: "AutoscalerHolding" in _reasons(kubectl, namespace) or None, WAIT_S,
+    wait_until(lambda: "AutoscalerHolding" in event_reasons(kubectl, namespace) or None, WAIT_S,
                "the autoscaler saying it holds on missing metrics")
-    wait_until(lambda: _settled(kubectl, namespace, 1, 1), WAIT_S, "one prefill and one decode, linked")
+    wait_until(lambda: settled(kubectl, namespace, 1, 1), WAIT_S, "one prefill and one decode, linked")
     status = kubectl.json("get", "dc", "llm", "-n", namespace)["status"]
     assert status["scaling"]["decode"]["owner"] == "autoscaler"
     assert {c["type"]: c["status"] for c in status["conditions"]}.get("MetricsAvailable") is not None
 
     (prefill,) = kubectl.json("get", "pods", "-n", namespace, "-l",
                               f"{m.CLUSTER_LABEL}=llm,{m.ROLE_LABEL}=prefill")["items"]
-    load = _Load(prefill["status"]["podIP"])
-    try:
-        started = time.monotonic()
-        wait_until(lambda: _settled(kubectl, namespace, 1, 2), WAIT_S, "a second decode, made for the load")
-        sys.stderr.write(f"load step to a second decode linked and serving: {time.monotonic() - started:.1f} s\n")
+    def scaled_up() -> None:
         decode = kubectl.json("get", "dc", "llm", "-n", namespace)["status"]["scaling"]["decode"]
         assert (decode["outcome"], decode["desired"]) in (("scale-up", 2), ("hold", 2)), decode
         assert decode["lastScaleTime"], decode
-        served = load.done
-        wait_until(lambda: load.done >= served + 6 or None, WAIT_S, "requests served by the two decodes")
-    finally:
-        load.finish()
-    assert load.failures == [], load.failures[:3]
+
+    load_until_second_decode(kubectl, namespace, prefill["status"]["podIP"], scaled_up, WAIT_S)
 
     # The load stopped: after the scale-down window, back to one decode through a drain.
-    wait_until(lambda: _settled(kubectl, namespace, 1, 1), WAIT_S, "back to one decode")
-    reasons = _reasons(kubectl, namespace)
+    wait_until(lambda: settled(kubectl, namespace, 1, 1), WAIT_S, "back to one decode")
+    reasons = event_reasons(kubectl, namespace)
     assert "Drained" in reasons and reasons.count("AutoscalerScaled") >= 2, reasons
     assert operator.metric("disagg_operator_autoscaler_desired_replicas", namespace=namespace, cluster="llm",
                            role="decode") == 1
