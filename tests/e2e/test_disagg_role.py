@@ -17,6 +17,7 @@ from disagg.operator import crd
 from disagg.operator import manifests as m
 from disagg.testing.cluster import wait_until
 from disagg.testing.elastic import (
+    ChatLoad,
     event_reasons,
     external_decode_cluster,
     load_until_second_decode,
@@ -72,11 +73,21 @@ def test_roles_scale_through_their_scale_subresource(operator: OperatorProcess, 
                WAIT_S, "the static role's count set back")
     assert len(serving(kubectl, namespace, "prefill")) == 1
 
-    # A scale-down through /scale drains and unlinks, as a manual one does.
+    # A scale-down through /scale, under load, drains and unlinks as a manual one does: no request lost.
     before = set(serving(kubectl, namespace, "decode"))
-    kubectl("patch", "dr", "llm-decode", "-n", namespace, "--subresource", "scale", "--type", "merge", "-p",
-            json.dumps({"spec": {"replicas": 1}}))
-    wait_until(lambda: settled(kubectl, namespace, 1, 1), WAIT_S, "back to one decode")
+    (prefill,) = kubectl.json("get", "pods", "-n", namespace, "-l",
+                              f"{m.CLUSTER_LABEL}=llm,{m.ROLE_LABEL}=prefill")["items"]
+    load = ChatLoad(prefill["status"]["podIP"])
+    try:
+        wait_until(lambda: load.done >= 3 or None, WAIT_S, "requests served before the scale-down")
+        kubectl("patch", "dr", "llm-decode", "-n", namespace, "--subresource", "scale", "--type", "merge", "-p",
+                json.dumps({"spec": {"replicas": 1}}))
+        wait_until(lambda: settled(kubectl, namespace, 1, 1), WAIT_S, "back to one decode")
+        served = load.done
+        wait_until(lambda: load.done >= served + 3 or None, WAIT_S, "requests served by the decode left")
+    finally:
+        load.finish()
+    assert load.failures == [], load.failures[:3]
     assert len(before - set(serving(kubectl, namespace, "decode"))) == 1
     assert "Drained" in event_reasons(kubectl, namespace)
 
@@ -161,11 +172,11 @@ def test_a_scaling_spec_the_schema_cannot_refuse_is_reported_not_crash_looped(
 
     condition = wait_until(invalid, WAIT_S, "the SpecValid condition")
     assert "spec.scaling.autoscaler.decode.minReplicas (3) is above" in condition["message"], condition
-    assert "InvalidSpec" in _reasons(kubectl, namespace)
+    assert "InvalidSpec" in event_reasons(kubectl, namespace)
     assert not kubectl.json("get", "pods", "-n", namespace)["items"], "nothing is made from an invalid spec"
     assert operator.proc is not None and operator.proc.poll() is None, "the operator keeps running"
 
     kubectl("patch", "dc", "llm", "-n", namespace, "--type", "merge", "-p", json.dumps(
         {"spec": {"scaling": {"autoscaler": {"decode": {"minReplicas": 1, "maxReplicas": 2}}}}}))
-    wait_until(lambda: _settled(kubectl, namespace, 1, 1), WAIT_S, "the fixed spec served")
+    wait_until(lambda: settled(kubectl, namespace, 1, 1), WAIT_S, "the fixed spec served")
     assert invalid() is None
