@@ -40,6 +40,7 @@ from disagg.workers.engine.tokenizer import Tokenizer
 from disagg.workers.local import LOOPBACK, WorkerFailed, WorkerProcess, free_port, link, spawn_worker
 from disagg.workers.security.key import ClusterKey
 
+ROUTER = "sglang-router==0.3.2"  # the version the figures in docs/benchmarks.md were made with
 POLICIES = ("round_robin", "cache_aware")
 ROUTER_READY_S = 60.0
 
@@ -54,9 +55,9 @@ def two_prefills_one_decode(model: str, log_dir: Path) -> Iterator[tuple[WorkerP
     threads = default_threads(workers=3)
     workers: list[WorkerProcess] = []
     try:
-        for name in ("decode", "prefill-a", "prefill-b"):
-            workers.append(spawn_worker(name.split("-")[0], model, log_dir / f"{name}.log", extra,
-                                        key_file=key_file, threads=threads))
+        for role, name in (("decode", "decode"), ("prefill", "prefill-a"), ("prefill", "prefill-b")):
+            workers.append(spawn_worker(role, model, log_dir / f"{name}.log", extra, key_file=key_file,
+                                        threads=threads))
         for w in workers:
             w.wait_loaded(STARTUP_S)
         decode, *prefills = workers
@@ -71,7 +72,7 @@ def two_prefills_one_decode(model: str, log_dir: Path) -> Iterator[tuple[WorkerP
 
 def router_command(args: argparse.Namespace, policy: str, port: int, prefills: list[WorkerProcess]) -> list[str | Path]:
     """sglang-router, regular mode: each prefill's OpenAI API is one worker URL."""
-    return [executable("sglang-router", args.router_venv), "launch", "--host", LOOPBACK, "--port", str(port),
+    return [args.router, "launch", "--host", LOOPBACK, "--port", str(port),
             "--prometheus-host", LOOPBACK, "--prometheus-port", str(free_port()),
             "--worker-urls", *(p.base_url for p in prefills), "--policy", policy,
             "--request-timeout-secs", "600", "--log-level", "warn"]
@@ -141,6 +142,7 @@ def main() -> int:
     tokenizer = Tokenizer.from_dir(resolve_model_dir(args.model, default_cache_dir()))
     load = os.getloadavg()
     try:
+        args.router = executable("sglang-router", args.router_venv, ROUTER)
         outcomes = [measure(args, policy, log_dir, tokenizer) for policy in POLICIES]
     except (WorkerFailed, ToolFailed) as exc:
         print(f"bench_router: {exc}", file=sys.stderr)

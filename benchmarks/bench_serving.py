@@ -36,6 +36,8 @@ from disagg.workers.demo import running_pair
 from disagg.workers.engine.loader import default_cache_dir, resolve_model_dir
 from disagg.workers.local import WorkerFailed, WorkerProcess, spawn_worker
 
+AIPERF = "aiperf==0.13.0"  # the version the figures in docs/benchmarks.md were made with
+
 
 @dataclass(frozen=True)
 class Level:
@@ -54,6 +56,8 @@ class Level:
     @classmethod
     def read(cls, setup: str, concurrency: int, export: Path) -> Level:
         """From AIPerf's `profile_export_aiperf.json`; a run with failed requests is an error."""
+        if not export.is_file():
+            raise ToolFailed(f"{setup} at concurrency {concurrency}: AIPerf wrote no {export}")
         d = json.loads(export.read_text())
         if d.get("request_error_rate", {}).get("avg", 0.0) or d.get("error_summary"):
             raise ToolFailed(f"{setup} at concurrency {concurrency}: failed requests: {d.get('error_summary')}")
@@ -71,7 +75,7 @@ def requests_at(concurrency: int) -> int:
 def aiperf(args: argparse.Namespace, url: str, concurrency: int, out: Path) -> Path:
     """One AIPerf run against `url`; the path of its JSON export."""
     tokenizer = resolve_model_dir(args.model, default_cache_dir())
-    run([executable("aiperf", args.aiperf_venv), "profile", "--model", SERVED, "--url", url,
+    run([args.aiperf, "profile", "--model", SERVED, "--url", url,
          "--endpoint-type", "chat", "--streaming", "--tokenizer", tokenizer,
          "--isl", args.input_tokens, "--isl-stddev", 0, "--osl", args.output_tokens, "--osl-stddev", 0,
          # every answer runs to --osl, so each run decodes the same number of tokens
@@ -122,13 +126,22 @@ def table(levels: list[Level]) -> str:
     return "\n".join([head, *rows])
 
 
+def concurrencies(text: str) -> list[int]:
+    try:
+        levels = [int(c) for c in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"comma-separated whole numbers, such as 1,4,16; got {text!r}") from None
+    if min(levels) < 1:
+        raise argparse.ArgumentTypeError(f"each concurrency must be at least 1; got {text!r}")
+    return levels
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="builtin:smollm2-135m")
     p.add_argument("--aiperf-venv", type=Path, default=Path("/work/venv-bench"),
                    help="the virtual environment AIPerf is installed in (default %(default)s; else the PATH)")
-    p.add_argument("--concurrency", type=lambda s: [int(c) for c in s.split(",")], default=[1, 4, 16],
-                   help="comma-separated (default 1,4,16)")
+    p.add_argument("--concurrency", type=concurrencies, default=[1, 4, 16], help="comma-separated (default 1,4,16)")
     p.add_argument("--input-tokens", type=int, default=256)
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=17)
@@ -140,6 +153,7 @@ def main() -> int:
     load = os.getloadavg()
     began = time.monotonic()
     try:
+        args.aiperf = executable("aiperf", args.aiperf_venv, AIPERF)
         levels = measure(args, out)
     except (WorkerFailed, ToolFailed) as exc:
         print(f"bench_serving: {exc}", file=sys.stderr)

@@ -22,15 +22,15 @@ class ToolFailed(RuntimeError):
     """An external tool is missing, failed, or ran past its bound; the message carries its log's tail."""
 
 
-def executable(name: str, venv: Path) -> Path:
-    """`name` from `venv`'s bin, else from the PATH."""
+def executable(name: str, venv: Path, package: str) -> Path:
+    """`name` from `venv`'s bin, else from the PATH; the error says how to install `package` there."""
     candidate = venv / "bin" / name
     if candidate.is_file():
         return candidate
     found = shutil.which(name)
     if found is None:
         raise ToolFailed(f"{name} is neither in {venv}/bin nor on the PATH: "
-                         f"python3 -m venv {venv} && {venv}/bin/pip install <its package> (docs/benchmarks.md)")
+                         f"python3 -m venv {venv} && {venv}/bin/pip install {package}")
     return Path(found)
 
 
