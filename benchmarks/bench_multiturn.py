@@ -18,6 +18,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,13 +36,13 @@ class Turn:
     tokens: list[int]
 
 
-async def turn(client: httpx.AsyncClient, prefill: WorkerProcess, prompt: list[int], max_tokens: int) -> Turn:
+async def turn(client: httpx.AsyncClient, base_url: str, prompt: list[int] | str, max_tokens: int) -> Turn:
     body = {"model": SERVED, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "ignore_eos": True, "return_token_ids": True}
     began = time.perf_counter()
     first: float | None = None
     tokens: list[int] = []
-    async with client.stream("POST", f"{prefill.base_url}/v1/completions", json=body) as r:
+    async with client.stream("POST", f"{base_url}/v1/completions", json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
@@ -53,7 +54,10 @@ async def turn(client: httpx.AsyncClient, prefill: WorkerProcess, prompt: list[i
     return Turn(first - began, tokens)
 
 
-async def conversation(prefill: WorkerProcess, args: argparse.Namespace, seed: int) -> list[float]:
+async def conversation(base_url: str, args: argparse.Namespace, seed: int,
+                       render: Callable[[list[int]], list[int] | str] = list) -> list[float]:
+    """One conversation's turns against `base_url`; the TTFT of each. `render`: how a prompt's ids
+    are sent (as ids by default; text for clients that only send text, such as a router)."""
     rng = random.Random(seed)
 
     def message(n: int) -> list[int]:
@@ -63,7 +67,7 @@ async def conversation(prefill: WorkerProcess, args: argparse.Namespace, seed: i
     ttfts = []
     async with httpx.AsyncClient(timeout=600.0) as client:
         for _ in range(args.turns):
-            done = await turn(client, prefill, prompt, args.answer_tokens)
+            done = await turn(client, base_url, render(prompt), args.answer_tokens)
             ttfts.append(done.ttft_s)
             prompt = prompt + done.tokens + message(args.message_tokens)
     return ttfts
@@ -99,19 +103,24 @@ def measure(args: argparse.Namespace, reuse: bool, log_dir: Path, key_file: Path
 
 
 async def _all(prefill: WorkerProcess, args: argparse.Namespace) -> list[float]:
-    per = await asyncio.gather(*(conversation(prefill, args, seed) for seed in range(args.conversations)))
+    per = await asyncio.gather(*(conversation(prefill.base_url, args, seed) for seed in range(args.conversations)))
     return [t for ttfts in per for t in ttfts]  # conversation by conversation, turn by turn
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="builtin:smollm2-135m")
+def add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    """The conversations' shape, as `conversation` reads it from the parsed arguments."""
     p.add_argument("--conversations", type=int, default=4)
     p.add_argument("--turns", type=int, default=5)
     p.add_argument("--first-tokens", type=int, default=256, help="the first turn's prompt (default %(default)s)")
     p.add_argument("--message-tokens", type=int, default=64, help="each later user message (default %(default)s)")
     p.add_argument("--answer-tokens", type=int, default=32)
     p.add_argument("--id-range", type=int, default=20000)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="builtin:smollm2-135m")
+    add_workload_arguments(p)
     args = p.parse_args()
     print("command:", " ".join([Path(sys.executable).name, *sys.argv]))
     log_dir = Path(tempfile.mkdtemp(prefix="bench-multiturn-"))

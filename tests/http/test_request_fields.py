@@ -45,6 +45,8 @@ REFUSED_CASES = [
     (CHAT, "reasoning_effort", "high"),
     (CHAT, "chat_template", "{{ messages }}"),
     (COMPLETIONS, "priority", 5),
+    (COMPLETIONS, "no_stop_trim", True),
+    (CHAT, "return_hidden_states", True),
 ]
 
 # (endpoint, field, a value that asks for nothing: accepted)
@@ -59,6 +61,10 @@ NOOP_CASES = [
     (COMPLETIONS, "min_tokens", 0),
     (CHAT, "echo", False),
     (CHAT, "parallel_tool_calls", True),
+    # what sglang-router adds to every request it forwards (issue 17)
+    (COMPLETIONS, "no_stop_trim", False),
+    (COMPLETIONS, "return_hidden_states", False),
+    (CHAT, "no_stop_trim", False),
 ]
 
 
@@ -97,6 +103,17 @@ def test_field_that_asks_for_nothing_is_accepted(http: httpx.Client, path: str, 
 def test_harmless_field_is_accepted(http: httpx.Client, field: str) -> None:
     value = {"metadata": {"k": "v"}, "store": True, "parallel_tool_calls": False}.get(field, "x")
     response = http.post(CHAT, json=_body(CHAT, **{field: value}))
+    assert response.status_code == 200, response.text
+
+
+# the fields sglang-router 0.3.2 (regular mode) writes into a chat request it forwards, as captured
+SGLANG_ROUTER_CHAT = {"logprobs": False, "no_stop_trim": False, "ignore_eos": False, "continue_final_message": False,
+                      "skip_special_tokens": True, "separate_reasoning": True, "stream_reasoning": True,
+                      "return_hidden_states": False}
+
+
+def test_a_request_as_sglang_router_forwards_it_is_accepted(http: httpx.Client) -> None:
+    response = http.post(CHAT, json=_body(CHAT, **SGLANG_ROUTER_CHAT))
     assert response.status_code == 200, response.text
 
 

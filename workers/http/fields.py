@@ -24,6 +24,9 @@ HARMLESS: dict[str, str] = {
     "prompt_cache_key": "a cache-routing hint; the prefix cache works without it",
     "safety_identifier": "an end-user id for OpenAI's abuse monitoring",
     "request_id": "vLLM's client-chosen id; responses carry the server's id",
+    # SGLang's, which sglang-router writes into every request it forwards
+    "separate_reasoning": "SGLang's reasoning split, done only by a reasoning parser; this server has none",
+    "stream_reasoning": "SGLang's streaming of that split; no reasoning parser here",
 }
 
 
@@ -84,6 +87,9 @@ REFUSED: dict[str, Refused] = {
     "kv_transfer_params": Refused("kv_transfer_params is vLLM's connector API, not this server's"),
     "vllm_xargs": Refused("vllm_xargs is not supported"),
     "cache_salt": Refused("cache_salt is not supported"),
+    # SGLang's extensions (sglang-router forwards them with these off values)
+    "no_stop_trim": Refused("no_stop_trim is not supported: stop strings are trimmed", _is(False)),
+    "return_hidden_states": Refused("hidden states are not returned", _is(False)),
 }
 
 
