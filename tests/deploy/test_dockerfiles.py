@@ -17,8 +17,9 @@ import shlex
 import subprocess
 import sys
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass
-from importlib.metadata import packages_distributions
+from importlib.metadata import distribution, packages_distributions
 from pathlib import Path
 
 import pytest
@@ -183,14 +184,28 @@ def test_operator_healthcheck_and_ports_match_the_operator_defaults() -> None:
 
 
 def _third_party_imports(folder: Path) -> set[str]:
+    """Imported module names (dotted, as written) outside the standard library and disagg."""
     names: set[str] = set()
     for path in folder.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
-                names |= {a.name.split(".")[0] for a in node.names}
+                names |= {a.name for a in node.names}
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                names.add(node.module.split(".")[0])
-    return {n for n in names if n not in sys.stdlib_module_names and n not in ("disagg", "__future__")}
+                names.add(node.module)
+    return {n for n in names if n.split(".")[0] not in sys.stdlib_module_names
+            and n.split(".")[0] not in ("disagg", "__future__")}
+
+
+def _providers(module: str, dists: Mapping[str, list[str]]) -> list[str]:
+    """The distributions that provide `module`. A namespace package is shared (protobuf and
+    googleapis-common-protos both install `google`): then only those holding its next level."""
+    top, _, rest = module.partition(".")
+    found = dists.get(top, [top])
+    if len(found) > 1 and rest:
+        inner = f"{top}/{rest.split('.')[0]}"
+        found = [d for d in found if any(str(f) == inner + ".py" or str(f).startswith(inner + "/")
+                                         for f in distribution(d).files or [])]
+    return found
 
 
 def _names(requirements: list[str]) -> set[str]:
@@ -203,8 +218,9 @@ def test_the_operator_extra_holds_every_package_the_operator_imports() -> None:
     installed = _names(project["dependencies"]) | _names(project["optional-dependencies"]["operator"])
     dists = packages_distributions()
     # proto/generate.py is a development script (grpc_tools), not part of the runtime.
-    imported = _third_party_imports(ROOT / "operator") | (_third_party_imports(ROOT / "proto") - {"grpc_tools"})
-    needed = {d.lower().replace("_", "-") for name in imported for d in dists.get(name, [name])}
+    imported = {n for n in _third_party_imports(ROOT / "operator") | _third_party_imports(ROOT / "proto")
+                if n.split(".")[0] != "grpc_tools"}
+    needed = {d.lower().replace("_", "-") for name in imported for d in _providers(name, dists)}
     assert not needed - installed, f"the [operator] extra lacks {sorted(needed - installed)}"
     assert "torch" not in installed
 
