@@ -18,8 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
+from disagg.workers.engine.tokenizer import Tokenizer
 from disagg.workers.local import WorkerFailed, WorkerProcess, spawn_worker
 
 MODEL_NAME = "tiny-llama"
@@ -113,3 +115,15 @@ def read_metric(http: httpx.Client) -> Callable[[str], float]:
         return float(match.group(1))
 
     return read
+
+
+@pytest.fixture
+def client(served: ServedWorker) -> Iterator[openai.OpenAI]:
+    """The openai client on the session's mixed worker."""
+    with openai.OpenAI(base_url=f"{served.base_url}/v1", api_key="unused", timeout=60.0, max_retries=0) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path) -> Tokenizer:
+    return Tokenizer.from_dir(tiny_model_dir)

@@ -10,8 +10,6 @@ stop_token_ids checks.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -22,17 +20,6 @@ from disagg.workers.engine.tokenizer import Tokenizer
 
 PROMPT = "The capital of France is"
 EXACT = {"ignore_eos": True}
-
-
-@pytest.fixture
-def client(served: Any) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{served.base_url}/v1", api_key="unused", timeout=60.0, max_retries=0) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir: Path) -> Tokenizer:
-    return Tokenizer.from_dir(tiny_model_dir)
 
 
 def _events(response: httpx.Response) -> list[dict[str, Any]]:

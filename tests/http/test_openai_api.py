@@ -5,9 +5,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
-from pathlib import Path
 
 import httpx
 import openai
@@ -20,17 +18,6 @@ PROMPT = "The capital of France is"
 CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Hello world! How are you today?"}]
 # Random weights rarely pick the eos token, but ignore it so lengths are exact.
 EXACT = {"ignore_eos": True}
-
-
-@pytest.fixture
-def client(served: Any) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{served.base_url}/v1", api_key="unused", timeout=60.0, max_retries=0) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir: Path) -> Tokenizer:
-    return Tokenizer.from_dir(tiny_model_dir)
 
 
 def test_models_lists_the_served_name(client: openai.OpenAI, served: Any) -> None:

@@ -8,7 +8,6 @@ real mixed worker, with the `openai` client and raw httpx.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -72,12 +71,6 @@ def _body(path: str, **fields: Any) -> dict[str, Any]:
     base: dict[str, Any] = {"model": "tiny-llama", "max_tokens": 2}
     base.update({"messages": MESSAGES} if path == CHAT else {"prompt": "Hello"})
     return {**base, **fields}
-
-
-@pytest.fixture
-def client(served: Any) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{served.base_url}/v1", api_key="unused", timeout=60.0, max_retries=0) as c:
-        yield c
 
 
 def _assert_refused(response: httpx.Response, field: str) -> None:

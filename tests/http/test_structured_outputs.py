@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -30,12 +29,6 @@ SCHEMA: dict[str, Any] = {
     "additionalProperties": False,
 }
 MESSAGES = [{"role": "user", "content": "Describe a city as JSON."}]
-
-
-@pytest.fixture
-def client(served: Any) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{served.base_url}/v1", api_key="unused", timeout=60.0, max_retries=0) as c:
-        yield c
 
 
 def test_json_schema_response_format_validates(client: openai.OpenAI, served: Any) -> None:
