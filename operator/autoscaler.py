@@ -158,11 +158,16 @@ class Coupling:
     - `decode_short` (for prefill): the decode side asks for more pods, so a prefill's TTFT
       includes the wait for a decode slot and says nothing about prefill; its own queue and
       load still do.
+    - `decode_growth` (for prefill): the decode's desired count over its pods serving, while it is
+      short. A prefill admits a prompt only once a decode slot is reserved, so its prompt-token
+      rate is what the decode lets through; that rate grows with the decode, and the prefill
+      plans for it now rather than one start-up later.
     """
 
     prefill_in_flight: int = 0
     prefill_queued: bool = False
     decode_short: bool = False
+    decode_growth: float = 1.0
 
 
 def recommend(role: Role, spec: AutoscalerSpec, m: RoleMetrics, current: int,
@@ -186,7 +191,10 @@ def recommend(role: Role, spec: AutoscalerSpec, m: RoleMetrics, current: int,
     name = "TTFT" if role == "prefill" else "TPOT"
     capacity = spec.bounds[role].capacity_per_pod
     own = m.requests_running if coupling.prefill_queued else m.requests_running + m.requests_waiting
-    load = m.prompt_tokens_per_s if role == "prefill" else float(max(own, coupling.prefill_in_flight))
+    # Requests the prefills hold beyond the decode's own count wait for a slot: a backlog that the
+    # pods already serving drain too, so it at most doubles what the decode plans for in one pass.
+    load = m.prompt_tokens_per_s * min(coupling.decode_growth, MAX_GAIN) if role == "prefill" else float(
+        max(own, min(coupling.prefill_in_flight, MAX_GAIN * max(own, 1))))
     kv_used = 0.0 if coupling.prefill_queued else m.kv_used_fraction
     unit = "prompt tokens/s" if role == "prefill" else "sequences"
     floor = math.ceil(load / (capacity * UTILISATION)) if capacity else 0
@@ -198,7 +206,10 @@ def recommend(role: Role, spec: AutoscalerSpec, m: RoleMetrics, current: int,
     ttft_waits_on_decode = role == "prefill" and coupling.decode_short
     draining = (role == "prefill" and waiting_before is not None and waiting_before > QUEUE_HIGH * n
                 and 2 * m.requests_waiting <= waiting_before)
-    if latency > UP_RATIO and not ttft_waits_on_decode and not draining:
+    # A prefill with nothing queued is not what holds its TTFT up: the window's tail is a backlog
+    # already served, or the wait for a decode slot.
+    idle_queue = role == "prefill" and m.requests_waiting == 0
+    if latency > UP_RATIO and not ttft_waits_on_decode and not draining and not idle_queue:
         up.append(Recommendation(more(math.ceil(n * min(latency, MAX_GAIN))),
                                  f"p90 {name} {_ms(p90 or 0)} is over the target {_ms(target)}", "latency"))
     if role == "prefill" and m.requests_waiting > QUEUE_HIGH * n and not draining:
@@ -216,7 +227,8 @@ def recommend(role: Role, spec: AutoscalerSpec, m: RoleMetrics, current: int,
     within = f"p90 {name} {_ms(p90 or 0)} against the target {_ms(target)}: " + (
         "within the band" if latency <= UP_RATIO and not draining
         else f"a backlog drains ({waiting_before} -> {m.requests_waiting} waiting)" if draining
-        else "it waits on decode")
+        else "it waits on decode" if ttft_waits_on_decode
+        else "no request waits for a prefill (the window's tail is served)")
     # With a profiled capacity, the load decides how few pods suffice (latency does not shrink
     # in proportion to load: a pod's TPOT has a floor at batch 1) and latency only has to be
     # within its target; without one, latency must be well under it and is projected linearly.
@@ -300,11 +312,15 @@ def decide(spec: AutoscalerSpec, band: RatioBand | None, inputs: Mapping[Role, R
     p = fresh["prefill"]
     queued = p is not None and p.requests_waiting > QUEUE_HIGH * p.pods_reporting
     coupling = Coupling() if p is None else Coupling(
-        prefill_in_flight=0 if queued else p.requests_running + p.requests_waiting, prefill_queued=queued)
+        prefill_in_flight=p.requests_running + (0 if queued else p.requests_waiting), prefill_queued=queued)
     for role in ("decode", "prefill"):  # decode first: whether prefill's TTFT is its own depends on it
         m, current = fresh[role], inputs[role].replicas
-        decode = recs.get("decode")
-        coupling = replace(coupling, decode_short=decode is not None and decode.count > inputs["decode"].replicas)
+        decode, d = recs.get("decode"), fresh["decode"]
+        starting = d is not None and d.pods_reporting < inputs["decode"].replicas and decode is not None \
+            and decode.signal != "down"
+        short = decode is not None and (decode.count > inputs["decode"].replicas or starting)
+        coupling = replace(coupling, decode_short=short, decode_growth=(
+            decode.count / d.pods_reporting if short and decode is not None and d is not None else 1.0))
         recs[role] = (recommend(role, spec, m, current, coupling, state.roles[role].waiting)
                       if m is not None else None)
     for role in ROLES:

@@ -183,10 +183,10 @@ def test_prefill_scales_up_on_ttft_within_max_step_after_the_up_window() -> None
 def test_a_single_spike_inside_the_up_window_does_not_scale() -> None:
     loop = Loop(parse())
     loop.step()  # a calm recommendation (2) is now inside the 30 s window
-    d = loop.step(prefill=metrics(loop.now + loop.period, ttft=2.0))
+    d = loop.step(prefill=metrics(loop.now + loop.period, ttft=2.0, waiting=1))
     assert d.roles["prefill"].desired == 2 and d.roles["prefill"].hold == HOLD_STABILISING
-    d = loop.step(prefill=metrics(loop.now + loop.period, ttft=2.0))
-    d = loop.step(prefill=metrics(loop.now + loop.period, ttft=2.0))
+    d = loop.step(prefill=metrics(loop.now + loop.period, ttft=2.0, waiting=1))
+    d = loop.step(prefill=metrics(loop.now + loop.period, ttft=2.0, waiting=1))
     assert d.roles["prefill"].desired > 2  # the spike lasted the whole window
 
 
@@ -279,7 +279,7 @@ def test_a_rollout_is_never_shrunk_but_may_grow() -> None:
         d = loop.step(prefill=idle(), rollout=True)
     assert loop.counts["prefill"] == 6 and d.roles["prefill"].hold == HOLD_ROLLOUT
     for _ in range(3):  # the low recommendations leave the 30 s up window
-        d = loop.step(prefill=metrics(loop.now + loop.period, pods=6, ttft=3.0), rollout=True)
+        d = loop.step(prefill=metrics(loop.now + loop.period, pods=6, ttft=3.0, waiting=1), rollout=True)
     assert d.roles["prefill"].outcome == "scale-up"
 
 
@@ -305,12 +305,12 @@ def test_bad_metrics_are_refused() -> None:
 def test_pods_still_starting_absorb_the_latency_signal() -> None:
     """While asked-for pods start, the same breach does not ask again (no overshoot from start-up delay)."""
     loop = Loop(parse({"scaleUpStabilizationSeconds": 0}), prefill=2, decode=2)
-    d = loop.step(prefill=metrics(loop.now + loop.period, pods=2, ttft=0.8))  # 1.6x the target
+    d = loop.step(prefill=metrics(loop.now + loop.period, pods=2, ttft=0.8, waiting=1))  # 1.6x the target
     assert d.roles["prefill"].desired == 4
     for _ in range(3):  # the two new pods start; the two old ones still see 1.6x
-        d = loop.step(prefill=metrics(loop.now + loop.period, pods=2, ttft=0.8))
+        d = loop.step(prefill=metrics(loop.now + loop.period, pods=2, ttft=0.8, waiting=1))
         assert d.roles["prefill"].desired == 4 and not d.roles["prefill"].acted
-    d = loop.step(prefill=metrics(loop.now + loop.period, pods=4, ttft=0.8))  # all serve, still over
+    d = loop.step(prefill=metrics(loop.now + loop.period, pods=4, ttft=0.8, waiting=1))  # all serve, still over
     assert d.roles["prefill"].desired == 6
 
 
@@ -332,12 +332,14 @@ def test_a_prefill_backlog_scales_prefill_not_decode() -> None:
 
 
 def test_requests_retrying_add_new_requests_count_as_decode_load() -> None:
-    """A full decode cannot see the requests its AddNewRequests refused; the prefills hold them."""
+    """A full decode cannot see the requests its AddNewRequests refused; the prefills hold them.
+    They are a backlog the serving pods drain too, so one pass plans for at most twice its own."""
     loop = Loop(parse({"scaleUpStabilizationSeconds": 0,
                        "decode": {"minReplicas": 1, "maxReplicas": 10, "sequencesPerPod": 10}}), prefill=2, decode=2)
     d = loop.step(prefill=metrics(loop.now + loop.period, ttft=1.5, running=60),
                   decode=metrics(loop.now + loop.period, running=20))
-    assert d.roles["decode"].desired == 4 and "60 sequences" in d.roles["decode"].reason  # max step 2
+    assert d.roles["decode"].recommendation == 5 and "40 sequences" in d.roles["decode"].reason
+    assert d.roles["decode"].desired == 4  # max step 2
     assert d.roles["prefill"].outcome == "hold" and "waits on decode" in d.roles["prefill"].reason
 
 
@@ -364,3 +366,41 @@ def test_a_draining_backlog_asks_for_no_more_prefill() -> None:
     assert d.roles["prefill"].outcome == "hold" and "a backlog drains (400 -> 150 waiting)" in d.roles["prefill"].reason
     d = loop.step(prefill=metrics(loop.now + loop.period, pods=4, ttft=30.0, waiting=140))  # stalled: over again
     assert d.roles["prefill"].desired == 8
+
+
+def test_a_prefill_ttft_tail_with_nothing_queued_asks_for_no_prefill() -> None:
+    """More prefill pods shorten only the wait for one: with no request waiting, the window's high
+    p90 TTFT is a backlog already served (or the wait for a decode slot)."""
+    loop = Loop(parse({"scaleUpStabilizationSeconds": 0}), prefill=2, decode=2)
+    d = loop.step(prefill=metrics(loop.now + loop.period, ttft=5.0, waiting=0))
+    assert d.roles["prefill"].outcome == "hold" and "no request waits for a prefill" in d.roles["prefill"].reason
+    d = loop.step(prefill=metrics(loop.now + loop.period, ttft=5.0, waiting=1))
+    assert d.roles["prefill"].outcome == "scale-up" and "TTFT" in d.roles["prefill"].reason
+
+
+def test_while_decode_pods_start_the_prefill_ttft_waits_on_them() -> None:
+    """Decode pods asked for earlier are still starting (fewer report than the count): a prefill's
+    TTFT includes the wait for their slots, so it does not scale prefill."""
+    loop = Loop(parse({"scaleUpStabilizationSeconds": 0}), prefill=2, decode=4)
+    d = loop.step(prefill=metrics(loop.now + loop.period, ttft=1.5, waiting=1),
+                  decode=metrics(loop.now + loop.period, pods=2, tpot=0.06))
+    assert d.roles["prefill"].outcome == "hold" and "waits on decode" in d.roles["prefill"].reason
+    d = loop.step(prefill=metrics(loop.now + loop.period, ttft=1.5, waiting=1),
+                  decode=metrics(loop.now + loop.period, pods=4, tpot=0.04))  # they serve: TTFT is prefill's own
+    assert d.roles["prefill"].outcome == "scale-up"
+
+
+def test_prefill_plans_for_the_prompt_load_a_growing_decode_lets_through() -> None:
+    """A prefill admits a prompt once a decode slot is reserved: while decode is short its prompt
+    rate is what decode lets through, and it grows with decode's count."""
+    s = parse({"scaleUpStabilizationSeconds": 0, "maxStep": 8,
+               "prefill": {"minReplicas": 1, "maxReplicas": 10, "promptTokensPerSecondPerPod": 1000},
+               "decode": {"minReplicas": 1, "maxReplicas": 10, "sequencesPerPod": 10}})
+    loop = Loop(s, prefill=2, decode=2)
+    calm = loop.step(prefill=metrics(loop.now + loop.period, ttft=0.1, prompt_rate=1500, running=16),
+                     decode=metrics(loop.now + loop.period, running=16))
+    assert calm.roles["prefill"].outcome == "hold"  # 1500 tokens/s fit on 2 pods at 0.8
+    d = loop.step(prefill=metrics(loop.now + loop.period, ttft=0.1, prompt_rate=1500, running=32),
+                  decode=metrics(loop.now + loop.period, running=32))  # decode asks for 4 pods: twice
+    assert d.roles["decode"].desired == 4
+    assert d.roles["prefill"].desired == 4 and "3000 prompt tokens/s" in d.roles["prefill"].reason
