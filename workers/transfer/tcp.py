@@ -347,6 +347,11 @@ class TcpSession(TransferSession):
         return all(conn.is_open for conn in self._conns)
 
     @property
+    def checksum(self) -> ChecksumKind:
+        """The payload checksum the handshake settled on (one for every connection)."""
+        return self._conns[0].checksum
+
+    @property
     def bytes_sent(self) -> int:
         return sum(conn.bytes_sent for conn in self._conns)
 

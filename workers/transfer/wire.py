@@ -22,9 +22,11 @@ Payloads move with scatter-gather calls (`send_views`, `recv_into_views`):
 one `sendmsg` / `recvmsg_into` per batch of block runs, straight from and into
 the pools' memory.
 
-The checksum is there to catch a wrong offset or a torn write, not an
-attacker: xxh3-64 when both sides have `xxhash` (about twice as fast as zlib's
-crc32 here), else crc32.
+The checksum is there to catch bytes damaged on the way, not an attacker:
+xxh3-64 when both sides have `xxhash` (about twice as fast as zlib's crc32
+here), else crc32. By default (`checksum_preference`) a link skips it where it
+buys nothing and costs a quarter of the throughput (a link within one host,
+a TLS link).
 """
 
 from __future__ import annotations
@@ -113,6 +115,21 @@ class _NoChecksum:
 def supported_checksums() -> list[ChecksumKind]:
     """Checksum kinds this process can compute, best first."""
     return ([ChecksumKind.XXH3] if xxhash is not None else []) + [ChecksumKind.CRC32]
+
+
+def checksum_preference(unchecked_is_safe: bool) -> list[ChecksumKind]:
+    """The kinds an accepting side takes by default, best first.
+
+    Args:
+        unchecked_is_safe: True for a link whose bytes never cross a wire (both
+            ends on one host: the kernel copies memory to memory, as `cuda_ipc`
+            does with no checksum) or whose TLS records already authenticate every
+            byte. There a payload checksum would only cost (hashing both ends
+            takes about a quarter of loopback throughput); elsewhere it backs
+            up TCP's 16-bit checksum, which lets rare corrupted segments through.
+    """
+    checked = supported_checksums()
+    return [ChecksumKind.NONE, *checked] if unchecked_is_safe else [*checked, ChecksumKind.NONE]
 
 
 def new_hasher(kind: ChecksumKind) -> Hasher:
