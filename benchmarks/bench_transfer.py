@@ -22,7 +22,11 @@ the receiving TCP stack): on a shared machine the wall-clock figures follow
 the load, these much less.
 
     .venv/bin/python benchmarks/bench_transfer.py [--repeats 5] [--quick]
-        [--block-sizes 16,64] [--layers 8,24] [--variants 1:XXH3,2:XXH3,4:XXH3,2:CRC32,2:NONE] [--multiturn]
+        [--block-sizes 16,64] [--layers 8,24] [--variants 1:AUTO,1:XXH3,2:AUTO,2:XXH3,4:XXH3,2:CRC32]
+        [--multiturn]
+
+A variant is CONNECTIONS:CHECKSUM; AUTO is the default policy (no checksum on a
+loopback link like this one), XXH3 / CRC32 / NONE force one.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from disagg.workers.transfer.wire import ChecksumKind
 BASE = KVLayout("bench", "float16", num_layers=8, num_blocks=64, block_size=16, num_kv_heads=8, head_dim=128)
 BLOCKS_PER_REQUEST = 48
 WAIT_S = 120.0
+AUTO = "AUTO"  # a variant's checksum left to the default policy (on loopback: none)
 RAW_CONNECTIONS = (1, 2)  # plain-socket candidates: the best is the ceiling
 
 
@@ -69,7 +74,7 @@ def child_decode(layout: KVLayout) -> None:
             break
         address, conns, checksum, name = args
         transports.append(create_transport("tcp", pool, layout, name, name, num_connections=int(conns),
-                                           checksums=[ChecksumKind[checksum]]))
+                                           checksums=None if checksum == AUTO else [ChecksumKind[checksum]]))
         transports[-1].connect(address, timeout=WAIT_S)
         freeze_startup_heap()  # as a serving worker does
         print("linked", flush=True)
@@ -280,8 +285,7 @@ def bench_layout(layout: KVLayout, repeats: int, variants: list[tuple[int, str]]
     runs = merge_runs(*pairs)
     nbytes = layout.num_layers * BLOCKS_PER_REQUEST * layout.block_bytes
     src = torch.randn(layout.shape).to(layout.torch_dtype)
-    prefill = create_transport("tcp", src, layout, "prefill", "prefill",
-                               checksums=[ChecksumKind.XXH3, ChecksumKind.CRC32, ChecksumKind.NONE])
+    prefill = create_transport("tcp", src, layout, "prefill", "prefill")  # the default: takes what each variant offers
     address = prefill.start("127.0.0.1", 0)
     decode = Child("decode", layout)
     sinks = {conns: Child("sink", layout) for conns in RAW_CONNECTIONS}
@@ -330,12 +334,13 @@ def _ints(text: str) -> list[int]:
 
 
 def _variants(text: str) -> list[tuple[int, str]]:
-    """"1:XXH3,2:NONE" -> [(1, "XXH3"), (2, "NONE")], checked against ChecksumKind."""
+    """"1:XXH3,2:AUTO" -> [(1, "XXH3"), (2, "AUTO")], checked against ChecksumKind."""
     variants = []
+    kinds = [AUTO, *ChecksumKind.__members__]
     for item in text.split(","):
         conns, _, checksum = item.partition(":")
-        if checksum not in ChecksumKind.__members__ or not conns.isdigit():
-            raise argparse.ArgumentTypeError(f"variant {item!r} is not CONNS:{'|'.join(ChecksumKind.__members__)}")
+        if checksum not in kinds or not conns.isdigit():
+            raise argparse.ArgumentTypeError(f"variant {item!r} is not CONNS:{'|'.join(kinds)}")
         variants.append((int(conns), checksum))
     return variants
 
@@ -346,7 +351,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="one layout, fewer variants")
     parser.add_argument("--block-sizes", type=_ints, default=[16, 64], help="tokens per block, comma separated")
     parser.add_argument("--layers", type=_ints, default=[8, 24], help="layer counts, comma separated")
-    parser.add_argument("--variants", type=_variants, default=_variants("1:XXH3,2:XXH3,4:XXH3,2:CRC32,2:NONE"),
+    parser.add_argument("--variants", type=_variants, default=_variants("1:AUTO,1:XXH3,2:AUTO,2:XXH3,4:XXH3,2:CRC32"),
                         help="connections:checksum pairs of our transport, comma separated")
     parser.add_argument("--multiturn", action="store_true",
                         help="then KV bytes per turn of a PD pair, prefix reuse off and on (bench_multiturn.py)")
