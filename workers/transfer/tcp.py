@@ -3,7 +3,8 @@
 Each connection has a sender thread (the only writer of its socket) and a
 reader thread (the only reader). Readers never send: answers (ACK, ERROR,
 DATA) are queued to the sender, so two peers streaming at each other cannot
-deadlock on full socket buffers. Frames are described in `wire.py`.
+deadlock on full socket buffers. Frames are described in `wire.py`; layers
+pushed faster than the socket drains leave as one frame (`send_queue.py`).
 """
 
 from __future__ import annotations
@@ -165,13 +166,16 @@ class _Connection:
 
     def _send_writes(self, writes: list[LayerWrite]) -> None:
         """Send pushed layers as one WRITE frame, answered by one ACK (or ERROR) for all of them."""
-        first = writes[0].frame
+        frame = writes[0].frame
         if len(writes) > 1:
             with self._lock:  # before the frame leaves: its answer may come at once
-                self._merged[first.request_id] = [write.frame.request_id for write in writes[1:]]
-            first = dataclasses.replace(first, layer_count=len(writes),
+                self._merged[frame.request_id] = [write.frame.request_id for write in writes[1:]]
+            frame = dataclasses.replace(frame, layer_count=len(writes),
                                         payload_bytes=sum(write.frame.payload_bytes for write in writes))
-        self._send_kv(first, writes[-1].ready)  # CUDA: events of one stream, the last covers all
+        for write in writes[:-1]:  # CUDA: pushes from another stream are not covered by the last event
+            if write.ready is not None:
+                write.ready.synchronize()
+        self._send_kv(frame, writes[-1].ready)
 
     def _send_kv(self, frame: Frame, ready: torch.cuda.Event | None = None) -> None:
         hasher = new_hasher(frame.checksum)
