@@ -18,11 +18,17 @@ from disagg.workers.transfer.wire import ChecksumKind, checksum_preference, supp
 WAIT_S = 30.0
 
 
-def test_unchecked_comes_first_only_where_it_is_safe() -> None:
+@pytest.mark.parametrize(
+    ("peer_host", "tls", "unchecked_first"),
+    [("127.0.0.1", False, True), ("127.3.2.1", False, True), ("::1", False, True),
+     ("::ffff:127.0.0.1", False, True), ("10.0.0.5", False, False), ("fd00::5", False, False),
+     ("10.0.0.5", True, True)],
+)
+def test_unchecked_comes_first_only_on_loopback_or_tls(peer_host: str, tls: bool, unchecked_first: bool) -> None:
     checked = supported_checksums()
-    assert checksum_preference(unchecked_is_safe=True) == [ChecksumKind.NONE, *checked]
-    assert checksum_preference(unchecked_is_safe=False) == [*checked, ChecksumKind.NONE]
-    assert checked[0] != ChecksumKind.NONE
+    assert checked and ChecksumKind.NONE not in checked
+    expected = [ChecksumKind.NONE, *checked] if unchecked_first else [*checked, ChecksumKind.NONE]
+    assert checksum_preference(peer_host, tls) == expected
 
 
 def negotiated(acceptor: KVTransport, offered: list[ChecksumKind], layout: KVLayout) -> ChecksumKind:

@@ -14,7 +14,6 @@ accept() (EMFILE) pauses the loop instead of ending it.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import secrets
 import socket
@@ -331,10 +330,7 @@ class LinkedTransport(KVTransport):
         """The checksum kinds this side takes on an accepted connection, best first."""
         if self.checksums is not None:
             return self.checksums
-        host = ipaddress.ip_address(sock.getpeername()[0])
-        if isinstance(host, ipaddress.IPv6Address) and host.ipv4_mapped is not None:
-            host = host.ipv4_mapped
-        return checksum_preference(unchecked_is_safe=self._tls is not None or host.is_loopback)
+        return checksum_preference(sock.getpeername()[0], tls=self._tls is not None)
 
     def _secured(self, sock: socket.socket, deadline: float) -> socket.socket:
         """`sock` after the server side of the TLS handshake; a peer without a certificate from

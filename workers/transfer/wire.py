@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import ipaddress
 import socket
 import ssl
 import struct
@@ -117,19 +118,24 @@ def supported_checksums() -> list[ChecksumKind]:
     return ([ChecksumKind.XXH3] if xxhash is not None else []) + [ChecksumKind.CRC32]
 
 
-def checksum_preference(unchecked_is_safe: bool) -> list[ChecksumKind]:
-    """The kinds an accepting side takes by default, best first.
+def checksum_preference(peer_host: str, tls: bool) -> list[ChecksumKind]:
+    """The kinds an accepting side takes by default on a connection, best first.
+
+    No checksum first where it buys nothing: a peer on a loopback address (its
+    bytes never cross a wire; the kernel copies memory to memory, as `cuda_ipc`
+    does with no checksum) or a TLS connection (every record is already
+    authenticated). There hashing both ends would only cost (about a quarter
+    of loopback throughput). Elsewhere a checksum first: it backs up TCP's
+    16-bit checksum, which lets rare corrupted segments through.
 
     Args:
-        unchecked_is_safe: True for a link whose bytes never cross a wire (both
-            ends on one host: the kernel copies memory to memory, as `cuda_ipc`
-            does with no checksum) or whose TLS records already authenticate every
-            byte. There a payload checksum would only cost (hashing both ends
-            takes about a quarter of loopback throughput); elsewhere it backs
-            up TCP's 16-bit checksum, which lets rare corrupted segments through.
+        peer_host: the peer's IP address as the socket reports it.
     """
+    host = ipaddress.ip_address(peer_host)
+    if isinstance(host, ipaddress.IPv6Address) and host.ipv4_mapped is not None:
+        host = host.ipv4_mapped
     checked = supported_checksums()
-    return [ChecksumKind.NONE, *checked] if unchecked_is_safe else [*checked, ChecksumKind.NONE]
+    return [ChecksumKind.NONE, *checked] if tls or host.is_loopback else [*checked, ChecksumKind.NONE]
 
 
 def new_hasher(kind: ChecksumKind) -> Hasher:
