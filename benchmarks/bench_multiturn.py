@@ -90,9 +90,11 @@ def measure(args: argparse.Namespace, reuse: bool, log_dir: Path, key_file: Path
         ttfts = asyncio.run(_all(prefill, args))
         seconds = time.perf_counter() - began
         tokens = args.conversations * args.turns * args.answer_tokens
+        moved = decode.metric("disagg_kv_transfer_bytes_total", direction="received")
         return {
             "pair": label,
-            "KV MB moved": decode.metric("disagg_kv_transfer_bytes_total", direction="received") / 1e6,
+            "KV MB moved": moved / 1e6,
+            "KV MB per turn": moved / (args.conversations * args.turns) / 1e6,
             "blocks skipped": decode.metric("disagg_kv_transfer_skipped_blocks_total"),
             "TTFT ms": ms(ttfts), "TTFT median, last turn ms": statistics.median(ttfts[args.turns - 1::args.turns]) * 1e3,
             "output tok/s": tokens / seconds,
@@ -117,12 +119,15 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--id-range", type=int, default=20000)
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="builtin:smollm2-135m")
     add_workload_arguments(p)
-    args = p.parse_args()
-    print("command:", " ".join([Path(sys.executable).name, *sys.argv]))
+    return p.parse_args(argv)
+
+
+def run_and_print(args: argparse.Namespace) -> int:
+    """Both pairs, reuse off then on, one row each (bench_transfer.py --multiturn calls this too)."""
     log_dir = Path(tempfile.mkdtemp(prefix="bench-multiturn-"))
     key_file = log_dir / "cluster.key"
     ClusterKey.generate().write(key_file)
@@ -137,6 +142,12 @@ def main() -> int:
         print("  ".join(f"{k}: {v:.1f}" if isinstance(v, float) else f"{k}: {v}" for k, v in row.items()))
     print(f"(logs in {log_dir})")
     return 0
+
+
+def main() -> int:
+    args = parse_args()
+    print("command:", " ".join([Path(sys.executable).name, *sys.argv]))
+    return run_and_print(args)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,12 @@ every layer (PUSH: layer by layer, then a flush) and compares with
   from PyPI `mooncake-transfer-engine-non-cuda` (its import needs Debian's
   `libibverbs1` even for TCP); when it cannot run, the reason is printed,
 - plain sockets between the same two processes moving the same byte count from
-  one contiguous buffer (sendall / recv_into, no framing, no checksum): the
-  ceiling of any transport over the kernel's TCP on this machine.
+  one contiguous buffer (sendall / recv_into, no framing, no checksum), over 1
+  and over 2 connections: the faster of the two is the ceiling of any transport
+  over the kernel's TCP on this machine (goal: ours >= 0.9x of it).
+
+With `--multiturn` it then runs `bench_multiturn.py` (a real PD pair, decode-side
+prefix reuse off, then on) and prints the KV bytes moved per conversation turn.
 
 Besides GB/s it prints the CPU seconds each candidate spent per GB moved, all
 its processes together and then per side (the sender is this process, the
@@ -18,7 +22,11 @@ the receiving TCP stack): on a shared machine the wall-clock figures follow
 the load, these much less.
 
     .venv/bin/python benchmarks/bench_transfer.py [--repeats 5] [--quick]
-        [--block-sizes 16,64] [--layers 8,24] [--variants 1:XXH3,2:XXH3,4:XXH3,2:CRC32,2:NONE]
+        [--block-sizes 16,64] [--layers 8,24] [--variants 1:AUTO,1:XXH3,2:AUTO,2:XXH3,4:XXH3,2:CRC32]
+        [--multiturn]
+
+A variant is CONNECTIONS:CHECKSUM; AUTO is the default policy (no checksum on a
+loopback link like this one), XXH3 / CRC32 / NONE force one.
 """
 
 from __future__ import annotations
@@ -48,7 +56,8 @@ from disagg.workers.transfer.wire import ChecksumKind
 BASE = KVLayout("bench", "float16", num_layers=8, num_blocks=64, block_size=16, num_kv_heads=8, head_dim=128)
 BLOCKS_PER_REQUEST = 48
 WAIT_S = 120.0
-RAW_CONNECTIONS = 2  # as many as our default variant
+AUTO = "AUTO"  # a variant's checksum left to the default policy (on loopback: none)
+RAW_CONNECTIONS = (1, 2)  # plain-socket candidates: the best is the ceiling
 
 
 # ---- child processes (the receiving side) ------------------------------------
@@ -65,7 +74,7 @@ def child_decode(layout: KVLayout) -> None:
             break
         address, conns, checksum, name = args
         transports.append(create_transport("tcp", pool, layout, name, name, num_connections=int(conns),
-                                           checksums=[ChecksumKind[checksum]]))
+                                           checksums=None if checksum == AUTO else [ChecksumKind[checksum]]))
         transports[-1].connect(address, timeout=WAIT_S)
         freeze_startup_heap()  # as a serving worker does
         print("linked", flush=True)
@@ -204,17 +213,17 @@ def ours_run(session: TransferSession, layers: int, pairs: tuple[list[int], list
     return run
 
 
-def raw_tcp_run(src: torch.Tensor, nbytes: int, child: Child) -> Callable[[], None]:
-    """Plain sockets: each of RAW_CONNECTIONS sends its share of `nbytes` from `src` and waits for one byte back."""
-    share = nbytes // RAW_CONNECTIONS
+def raw_tcp_run(src: torch.Tensor, nbytes: int, child: Child, conns: int) -> Callable[[], None]:
+    """Plain sockets: each of `conns` sends its share of `nbytes` from `src` and waits for one byte back."""
+    share = nbytes // conns
     listener = socket.create_server(("127.0.0.1", 0))
     address = "127.0.0.1:%d" % listener.getsockname()[1]
-    assert child.send(f"connect {address} {RAW_CONNECTIONS} {share}") == "connected"
+    assert child.send(f"connect {address} {conns} {share}") == "connected"
     listener.settimeout(WAIT_S)
-    socks = [listener.accept()[0] for _ in range(RAW_CONNECTIONS)]
+    socks = [listener.accept()[0] for _ in range(conns)]
     listener.close()
     view = host_view(src)  # keeps no reference: `src` lives as long as the benchmark of this layout
-    assert len(view) >= share * RAW_CONNECTIONS, "the pool holds the bytes of one request"
+    assert len(view) >= share * conns, "the pool holds the bytes of one request"
 
     def send_share(sock: socket.socket, index: int) -> None:
         sock.sendall(view[index * share:(index + 1) * share])
@@ -276,38 +285,40 @@ def bench_layout(layout: KVLayout, repeats: int, variants: list[tuple[int, str]]
     runs = merge_runs(*pairs)
     nbytes = layout.num_layers * BLOCKS_PER_REQUEST * layout.block_bytes
     src = torch.randn(layout.shape).to(layout.torch_dtype)
-    prefill = create_transport("tcp", src, layout, "prefill", "prefill",
-                               checksums=[ChecksumKind.XXH3, ChecksumKind.CRC32, ChecksumKind.NONE])
+    prefill = create_transport("tcp", src, layout, "prefill", "prefill")  # the default: takes what each variant offers
     address = prefill.start("127.0.0.1", 0)
     decode = Child("decode", layout)
-    sink = Child("sink", layout)
+    sinks = {conns: Child("sink", layout) for conns in RAW_CONNECTIONS}
     mooncake = start_mooncake(layout)
     try:
-        candidates = {"memcpy (1 thread)": memcpy_run(layout, src, runs),
-                      f"plain sockets, {RAW_CONNECTIONS} conns": raw_tcp_run(src, nbytes, sink)}
+        candidates = {"memcpy (1 thread)": memcpy_run(layout, src, runs)}
+        for conns, sink in sinks.items():
+            candidates[f"plain sockets, {conns} conns"] = raw_tcp_run(src, nbytes, sink, conns)
         if isinstance(mooncake, Child):
             candidates["mooncake tcp"] = mooncake_run(layout, src, runs, mooncake)
         for i, (conns, checksum) in enumerate(variants):
             assert decode.send(f"link {address} {conns} {checksum} decode-{i}") == "linked"
             session = prefill.session(f"decode-{i}", timeout=WAIT_S)
             candidates[f"ours tcp conns={conns} {checksum}"] = ours_run(session, layout.num_layers, pairs)
-        children = [decode, sink, *([mooncake] if isinstance(mooncake, Child) else [])]
+        children = [decode, *sinks.values(), *([mooncake] if isinstance(mooncake, Child) else [])]
         freeze_startup_heap()  # as a serving worker does
         measured = interleaved(candidates, repeats,
                                lambda: (time.process_time(), sum(child.cpu_seconds() for child in children)))
     finally:
         decode.stop()
-        sink.stop()
+        for sink in sinks.values():
+            sink.stop()
         if isinstance(mooncake, Child):
             mooncake.stop()
         prefill.close()
     rate = {name: nbytes / seconds / 1e9 for name, (seconds, _, _) in measured.items()}
+    ceiling = max(rate[f"plain sockets, {conns} conns"] for conns in RAW_CONNECTIONS)
     print(f"\nblock_size={layout.block_size} ({layout.block_bytes >> 10} KiB/block) layers={layout.num_layers} "
           f"moved={nbytes / 2**20:.0f} MiB per request in {len(runs)} runs/layer")
     if isinstance(mooncake, str):
         print(f"  mooncake tcp: n/a: {mooncake}")
     for name, gbps in rate.items():
-        ratios = f"{gbps / rate['memcpy (1 thread)']:5.2f}x memcpy"
+        ratios = f"{gbps / rate['memcpy (1 thread)']:5.2f}x memcpy  {gbps / ceiling:5.2f}x sockets"
         if "mooncake tcp" in rate:
             ratios += f"  {gbps / rate['mooncake tcp']:5.2f}x mooncake"
         sender, receiver = (cpu_seconds / (nbytes / 1e9) for cpu_seconds in measured[name][1:])
@@ -323,12 +334,13 @@ def _ints(text: str) -> list[int]:
 
 
 def _variants(text: str) -> list[tuple[int, str]]:
-    """"1:XXH3,2:NONE" -> [(1, "XXH3"), (2, "NONE")], checked against ChecksumKind."""
+    """"1:XXH3,2:AUTO" -> [(1, "XXH3"), (2, "AUTO")], checked against ChecksumKind."""
     variants = []
+    kinds = [AUTO, *ChecksumKind.__members__]
     for item in text.split(","):
         conns, _, checksum = item.partition(":")
-        if checksum not in ChecksumKind.__members__ or not conns.isdigit():
-            raise argparse.ArgumentTypeError(f"variant {item!r} is not CONNS:{'|'.join(ChecksumKind.__members__)}")
+        if checksum not in kinds or not conns.isdigit():
+            raise argparse.ArgumentTypeError(f"variant {item!r} is not CONNS:{'|'.join(kinds)}")
         variants.append((int(conns), checksum))
     return variants
 
@@ -339,8 +351,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="one layout, fewer variants")
     parser.add_argument("--block-sizes", type=_ints, default=[16, 64], help="tokens per block, comma separated")
     parser.add_argument("--layers", type=_ints, default=[8, 24], help="layer counts, comma separated")
-    parser.add_argument("--variants", type=_variants, default=_variants("1:XXH3,2:XXH3,4:XXH3,2:CRC32,2:NONE"),
+    parser.add_argument("--variants", type=_variants, default=_variants("1:AUTO,1:XXH3,2:AUTO,2:XXH3,4:XXH3,2:CRC32"),
                         help="connections:checksum pairs of our transport, comma separated")
+    parser.add_argument("--multiturn", action="store_true",
+                        help="then KV bytes per turn of a PD pair, prefix reuse off and on (bench_multiturn.py)")
     parser.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
     parser.add_argument("--layout", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -357,7 +371,13 @@ def main() -> None:
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     for layout in layouts:
         bench_layout(layout, args.repeats, variants)
-    print(f"\nload average at the end {os.getloadavg()[0]:.1f}")
+    print(f"\nload average at the end of the transfers {os.getloadavg()[0]:.1f}")
+    if args.multiturn:
+        import bench_multiturn  # benchmarks/ is this script's folder (sys.path[0])
+
+        if bench_multiturn.run_and_print(bench_multiturn.parse_args([])) != 0:
+            sys.exit(1)
+        print(f"load average at the end {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

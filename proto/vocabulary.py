@@ -61,6 +61,8 @@ ADMIN_PORT = 8100  # /drain and xLLM's HTTP link routes: state changes, kept off
 API_KEY_ENV = "DISAGG_API_KEY"
 MAX_PORT = 65535
 MAX_KV_CONNECTIONS = 64  # TCP connections a decode may open per link
+# --kv-checksum: auto, or a transfer.wire.ChecksumKind name in lower case.
+KV_CHECKSUMS = ("auto", "xxh3", "crc32", "none")
 
 
 def _choices(enum_type: type[enum.Enum]) -> tuple[str, ...]:

@@ -11,7 +11,9 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from disagg.proto.vocabulary import API_KEY_ENV, DEVICES, DTYPES, PD_POLICIES, TRANSFER_MODES, TRANSPORTS, PDPolicy
+from disagg.proto.vocabulary import (
+    API_KEY_ENV, DEVICES, DTYPES, KV_CHECKSUMS, PD_POLICIES, TRANSFER_MODES, TRANSPORTS, PDPolicy,
+)
 from disagg.workers.config import Role, ServerConfig, TransferMode, Transport
 from disagg.workers.engine.config import EngineConfig
 from disagg.workers.security.key import KEY_ENV, KEY_FILE_ENV, ClusterKey, default_key_file, key_from_environment
@@ -59,6 +61,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                     default=_default(s, "kv_transport").value, help="default %(default)s")
     kv.add_argument("--kv-connections", type=int, default=_default(s, "kv_connections"),
                     help="TCP connections a decode opens per link (default: one per two usable CPUs, 1 to 4)")
+    kv.add_argument("--kv-checksum", choices=KV_CHECKSUMS, default=_default(s, "kv_checksum"),
+                    help="payload checksum of TCP KV links: auto skips it on loopback and TLS links, where it "
+                         "buys nothing, and uses xxh3 elsewhere (default %(default)s)")
     kv.add_argument("--pd-policy", choices=PD_POLICIES, default=_default(s, "pd_policy").value,
                     help="always: a prefill hands every request to a decode; auto: it serves a request itself when "
                          "the hand-off costs more than it saves (default %(default)s)")
@@ -163,6 +168,7 @@ def build_configs(args: argparse.Namespace, env: Mapping[str, str] | None = None
         kv_transfer_mode=TransferMode(args.kv_transfer_mode),
         kv_transport=Transport(args.kv_transport),
         kv_connections=args.kv_connections,
+        kv_checksum=args.kv_checksum,
         stream_idle_timeout_s=args.stream_idle_timeout,
         kv_prefix_reuse=args.kv_prefix_reuse,
         max_migrations=args.max_migrations,

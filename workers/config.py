@@ -17,6 +17,7 @@ from disagg.proto.vocabulary import (
     ADMIN_PORT,
     GRPC_PORT,
     HTTP_PORT,
+    KV_CHECKSUMS,
     MAX_KV_CONNECTIONS,
     MAX_PORT,
     TRANSFER_PORT,
@@ -58,6 +59,10 @@ class ServerConfig:
     # TCP connections a decode opens per link (the prefill takes what comes).
     # None: default_kv_connections().
     kv_connections: int | None = None
+    # The payload checksum of TCP KV links: "auto" (none where it buys nothing:
+    # loopback and TLS links; xxh3 elsewhere, see transfer.wire.checksum_preference),
+    # or one of KV_CHECKSUMS forced on both the links a worker opens and those it accepts.
+    kv_checksum: str = "auto"
     # Seconds to let in-flight requests finish after SIGTERM before the
     # server closes their connections.
     graceful_shutdown_s: float = 30.0
@@ -122,6 +127,8 @@ class ServerConfig:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
         if self.kv_connections is not None and not 1 <= self.kv_connections <= MAX_KV_CONNECTIONS:
             raise ValueError(f"kv_connections must be between 1 and {MAX_KV_CONNECTIONS}, got {self.kv_connections}")
+        if self.kv_checksum not in KV_CHECKSUMS:
+            raise ValueError(f"kv_checksum must be one of {', '.join(KV_CHECKSUMS)}, got {self.kv_checksum!r}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be at least 1, got {self.threads}")
 

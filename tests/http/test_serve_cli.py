@@ -41,6 +41,8 @@ def test_invalid_settings_fail_before_loading() -> None:
     result = _run("--role", "decode", "--model", "x", "--insecure", "--kv-connections", "0")
     assert result.returncode == 2
     assert "kv_connections must be between 1 and 64" in result.stderr
+    result = _run("--role", "decode", "--model", "x", "--insecure", "--kv-checksum", "md5")
+    assert result.returncode == 2 and "invalid choice: 'md5'" in result.stderr
     result = _run("--role", "mixed", "--model", "x", "--threads", "0")
     assert result.returncode == 2
     assert "threads must be at least 1" in result.stderr

@@ -1,20 +1,23 @@
-"""Bad frames get errors, and the serving peer keeps serving."""
+"""Frames on the wire: bad ones get errors and the serving peer keeps serving; pushed layers
+that queue up behind a slow socket leave as one frame, answered once."""
 
 from __future__ import annotations
 
+import itertools
 import socket
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
 
-from disagg.workers.transfer import KVLayout, PeerInfo
-from disagg.workers.transfer.base import BlockRun
+from disagg.workers.transfer import KVLayout, KVTransport, PeerInfo
+from disagg.workers.transfer.base import BlockRun, TransferError
 from disagg.workers.transfer.handshake import Hello, initiate
 from disagg.workers.transfer.pool_io import host_view
+from disagg.workers.transfer.send_queue import MAX_FRAME_BYTES
 from disagg.workers.transfer.wire import (
     HEADER,
     MAGIC,
@@ -22,6 +25,7 @@ from disagg.workers.transfer.wire import (
     ChecksumKind,
     Frame,
     Kind,
+    control_frame,
     encode_frame,
     new_hasher,
     recv_exact,
@@ -40,7 +44,8 @@ class RawLink:
         host, port = address.rsplit(":", 1)
         self.layout = layout
         self.sock = socket.create_connection((host, int(port)), timeout=WAIT_S)
-        me = PeerInfo(f"raw-{uuid.uuid4().hex[:6]}", "127.0.0.1:9", layout)
+        self.name = f"raw-{uuid.uuid4().hex[:6]}"
+        me = PeerInfo(self.name, "127.0.0.1:9", layout)
         checksums = [int(k) for k in supported_checksums()]
         reply, _ = initiate(self.sock, Hello(me, "tcp", uuid.uuid4().hex, 0, 1, checksums), None,
                             time.monotonic() + WAIT_S)
@@ -146,3 +151,43 @@ def test_a_stranger_that_is_not_a_handshake_is_dropped(listening_peer: tuple[Pee
     with socket.create_connection((host, int(port)), timeout=WAIT_S) as sock:
         sock.sendall(b"GET / HTTP/1.1\r\n\r\n" + bytes(64))
         assert closed_by_peer(sock)
+
+
+def test_layers_pushed_faster_than_sent_leave_as_merged_frames_with_one_answer_each(
+    transport_factory: Callable[..., KVTransport],
+) -> None:
+    # 16 MiB a layer: more than the socket buffers hold, so the sender is still on the
+    # first frame while the later layers queue behind it.
+    big = KVLayout("test-model", "float16", num_layers=4, num_blocks=64, block_size=64, num_kv_heads=8, head_dim=128)
+    pool = torch.randn(big.shape).to(big.torch_dtype)
+    prefill = transport_factory("tcp", pool, big, "prefill")
+    link = RawLink(prefill.start("127.0.0.1", 0), big)
+    try:
+        session = prefill.session(link.name, timeout=WAIT_S)
+        src, dst = list(range(0, 64, 2)) + list(range(1, 64, 2)), list(range(64))
+        handles = [session.push(layer, src, dst) for layer in range(big.num_layers)]
+        frames = []
+        while sum(frame.layer_count for frame in frames) < big.num_layers:
+            frame = recv_frame(link.sock, big.num_blocks, big.num_layers, big.block_bytes)
+            payload = recv_exact(link.sock, frame.payload_bytes)
+            recv_exact(link.sock, TRAILER.size)
+            expected = b"".join(bytes(host_view(pool[layer, block])) for layer in range(
+                frame.layer, frame.layer + frame.layer_count) for block in src)
+            assert frame.kind == Kind.WRITE and payload == expected, "layer-major, in push order"
+            assert frame.payload_bytes <= MAX_FRAME_BYTES
+            frames.append(frame)
+        assert [frame.layer for frame in frames] == [0, *itertools.accumulate(f.layer_count for f in frames[:-1])]
+        assert len(frames) < big.num_layers, "queued layers of the same blocks share a frame"
+        for frame in frames[:-1]:
+            link.sock.sendall(encode_frame(control_frame(Kind.ACK, frame.request_id)[0]))
+        error, reason = control_frame(Kind.ERROR, frames[-1].request_id, "disk on fire")
+        link.sock.sendall(encode_frame(error) + reason)
+        last = frames[-1]
+        for layer, handle in enumerate(handles):
+            if layer < last.layer:
+                handle.wait(WAIT_S)  # answered by the ACK of the frame that carried it
+            else:
+                with pytest.raises(TransferError, match="disk on fire"):
+                    handle.wait(WAIT_S)
+    finally:
+        link.sock.close()

@@ -26,6 +26,7 @@ from disagg.workers.pd.prefill import PrefillRole
 from disagg.workers.pd.service import Handlers, build_grpc_server
 from disagg.workers.security.control import ControlGuard
 from disagg.workers.transfer import BlockAccess, KVLayout, KVTransport, create_transport
+from disagg.workers.transfer.wire import ChecksumKind
 
 log = logging.getLogger(__name__)
 
@@ -124,8 +125,10 @@ def _load(engine_config: EngineConfig, server_config: ServerConfig, metrics: Wor
     name = server_config.instance_name
     connections = server_config.kv_connections or default_kv_connections()
     key = server_config.cluster_key
+    forced = server_config.kv_checksum
+    checksums = None if forced == "auto" else [ChecksumKind[forced.upper()]]
     transport = create_transport(server_config.kv_transport.value, pool, layout, name, name,
-                                 num_connections=connections, key=key,
+                                 num_connections=connections, key=key, checksums=checksums,
                                  on_auth_failure=lambda: metrics.count_auth_failure("transfer"),
                                  access=BlockAccess(on_refused=lambda: metrics.count_auth_failure("transfer")),
                                  accepts_links=server_config.role is Role.PREFILL,  # a decode opens its own

@@ -13,6 +13,7 @@ as the prefill's forward has written it) or for every layer (PULL).
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -209,6 +210,21 @@ def check_runs(runs: Sequence[BlockRun], src_blocks: int, dst_blocks: int) -> No
             raise ValueError(
                 f"destination blocks {run.dst}..{run.dst + run.count - 1} out of range ({dst_blocks} blocks)"
             )
+
+
+@functools.lru_cache(maxsize=64)
+def plan_runs(src_blocks: tuple[int, ...], dst_blocks: tuple[int, ...], src_pool_blocks: int,
+              dst_pool_blocks: int, parts: int) -> tuple[tuple[BlockRun, ...], ...]:
+    """`merge_runs`, `check_runs` and `split_runs` of one transfer, remembered.
+
+    A prefill pushes the same block lists once per layer, and each plan costs
+    about 100 us of Python under the GIL its sender threads need: the cache
+    makes every layer after the first cost a dictionary look-up. Raises
+    ValueError as `merge_runs` and `check_runs` do (failures are not cached).
+    """
+    runs = merge_runs(src_blocks, dst_blocks)
+    check_runs(runs, src_pool_blocks, dst_pool_blocks)
+    return tuple(tuple(part) for part in split_runs(runs, parts))
 
 
 class TransferHandle:

@@ -50,7 +50,7 @@ from disagg.workers.transfer.handshake import (
     send_challenge,
     send_reply,
 )
-from disagg.workers.transfer.wire import ChecksumKind, supported_checksums
+from disagg.workers.transfer.wire import ChecksumKind, checksum_preference, supported_checksums
 
 logger = logging.getLogger(__name__)
 
@@ -90,8 +90,10 @@ class LinkedTransport(KVTransport):
         Args:
             num_connections: sockets per session this side opens in `connect`.
             io_timeout: bound on any single socket wait inside a frame, and on a whole handshake.
-            checksums: kinds this side accepts, best first (default: all it can
-                compute; ChecksumKind.NONE only when asked for, e.g. to measure its cost).
+            checksums: kinds this side accepts, best first. None: the acceptor
+                picks by `checksum_preference` per connection (none on loopback
+                and TLS links, xxh3 or crc32 elsewhere), and the initiator
+                offers every kind, leaving the choice to it.
             key: the cluster key both ends of a link must prove; None: no authentication.
             on_auth_failure: called for each handshake refused for its proof.
             max_pending: connections handshaking or parked at once; more are closed at accept.
@@ -106,8 +108,8 @@ class LinkedTransport(KVTransport):
             raise ValueError(f"num_connections must be in 1..64, got {num_connections}")
         self.num_connections = num_connections
         self.io_timeout = io_timeout
-        self.checksums = list(checksums) if checksums is not None else supported_checksums()
-        if not self.checksums:
+        self.checksums = list(checksums) if checksums is not None else None
+        if self.checksums == []:
             raise ValueError("at least one checksum kind is needed (ChecksumKind.NONE turns checking off)")
         if max_pending < 1:
             raise ValueError(f"max_pending must be at least 1, got {max_pending}")
@@ -170,7 +172,7 @@ class LinkedTransport(KVTransport):
                 socks.append(sock)
                 hello = Hello(
                     self.identity, self.name, session_id, index, self.num_connections,
-                    [int(kind) for kind in self.checksums], self._hello_extras() if index == 0 else {},
+                    [int(kind) for kind in self._offered], self._hello_extras() if index == 0 else {},
                 )
                 answers.append(initiate(sock, hello, self._key, deadline))
         except TimeoutError as exc:
@@ -184,6 +186,8 @@ class LinkedTransport(KVTransport):
         reason = None
         if refused is not None:
             reason = refused.reason
+        elif reply.checksum not in {int(kind) for kind in self._offered}:
+            reason = f"it chose checksum kind {reply.checksum}, which was not offered"
         elif challenge.name == self.instance_name:
             reason = "a worker cannot link to itself"
         elif expect_name is not None and challenge.name != expect_name:
@@ -299,7 +303,7 @@ class LinkedTransport(KVTransport):
                     extras = self._accept_extras(hello)
                 except TransferError as exc:
                     reason = str(exc)
-            checksum = next((k for k in self.checksums if int(k) in hello.checksums), None)
+            checksum = next((k for k in self._accepted(sock) if int(k) in hello.checksums), None)
             if reason is None and checksum is None:
                 reason = f"no common checksum in {hello.checksums}"
             if reason is not None:
@@ -317,6 +321,16 @@ class LinkedTransport(KVTransport):
             self._pending_slots.release()
             return
         self._collect(hello, sock, int(checksum))
+
+    @property
+    def _offered(self) -> list[ChecksumKind]:
+        return self.checksums if self.checksums is not None else [*supported_checksums(), ChecksumKind.NONE]
+
+    def _accepted(self, sock: socket.socket) -> list[ChecksumKind]:
+        """The checksum kinds this side takes on an accepted connection, best first."""
+        if self.checksums is not None:
+            return self.checksums
+        return checksum_preference(sock.getpeername()[0], tls=self._tls is not None)
 
     def _secured(self, sock: socket.socket, deadline: float) -> socket.socket:
         """`sock` after the server side of the TLS handshake; a peer without a certificate from

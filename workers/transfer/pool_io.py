@@ -105,9 +105,9 @@ class PoolIO:
             return
         for batch in batches(self.spans(segments), BATCH_BYTES):
             views = [self._view[offset : offset + size] for offset, size in batch]
+            send_views(sock, views)
             for view in views:
                 hasher.update(view)
-            send_views(sock, views)
 
     def recv(self, sock: socket.socket, segments: Sequence[tuple[int, int, int]], hasher: Hasher) -> None:
         """Receive the segments' bytes in order straight into the pool (or via staging)."""

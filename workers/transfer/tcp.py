@@ -3,14 +3,15 @@
 Each connection has a sender thread (the only writer of its socket) and a
 reader thread (the only reader). Readers never send: answers (ACK, ERROR,
 DATA) are queued to the sender, so two peers streaming at each other cannot
-deadlock on full socket buffers. Frames are described in `wire.py`.
+deadlock on full socket buffers. Frames are described in `wire.py`; layers
+pushed faster than the socket drains leave as one frame (`send_queue.py`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
-import queue
 import select
 import socket
 import struct
@@ -28,12 +29,11 @@ from disagg.workers.transfer.base import (
     PendingTransfers,
     TransferHandle,
     TransferSession,
-    check_runs,
-    merge_runs,
-    split_runs,
+    plan_runs,
 )
 from disagg.workers.transfer.link import LinkedTransport
 from disagg.workers.transfer.pool_io import PoolIO
+from disagg.workers.transfer.send_queue import LayerWrite, SendQueue
 from disagg.workers.transfer.wire import (
     TRAILER,
     ChecksumKind,
@@ -106,9 +106,11 @@ class _Connection:
         self.bytes_sent = 0
         self.bytes_received = 0
         self._on_broken = on_broken
-        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._jobs = SendQueue()
         # request id -> (handle, the READ frame for pulls or None for writes)
         self._pending: dict[int, tuple[TransferHandle, Frame | None]] = {}
+        # request id of a merged WRITE frame -> the ids of its later layers, answered by its ACK
+        self._merged: dict[int, list[int]] = {}
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._closed = False
@@ -122,18 +124,18 @@ class _Connection:
 
     # ---- requests from the session ---------------------------------------
 
-    def submit_write(self, layer: int, runs: list[BlockRun], handle: TransferHandle,
+    def submit_write(self, layer: int, runs: tuple[BlockRun, ...], handle: TransferHandle,
                      ready: torch.cuda.Event | None) -> None:
         frame = self._new_request(Kind.WRITE, layer, 1, runs, handle)
         if frame is not None:
-            self._jobs.put(lambda: self._send_kv(frame, ready))
+            self._jobs.put(LayerWrite(frame, ready))
 
-    def submit_read(self, runs: list[BlockRun], handle: TransferHandle) -> None:
+    def submit_read(self, runs: tuple[BlockRun, ...], handle: TransferHandle) -> None:
         frame = self._new_request(Kind.READ, 0, self.layout.num_layers, runs, handle)
         if frame is not None:
             self._jobs.put(lambda: self.sock.sendall(encode_frame(frame)))
 
-    def _new_request(self, kind: Kind, layer: int, layer_count: int, runs: list[BlockRun],
+    def _new_request(self, kind: Kind, layer: int, layer_count: int, runs: tuple[BlockRun, ...],
                      handle: TransferHandle) -> Frame | None:
         payload = layer_count * sum(r.count for r in runs) * self.block_bytes if kind == Kind.WRITE else 0
         with self._lock:
@@ -141,7 +143,7 @@ class _Connection:
                 handle.part_done(f"connection to {self.peer.name} is closed")
                 return None
             request_id = next(self._ids)
-            frame = Frame(kind, self.checksum, request_id, layer, layer_count, tuple(runs), payload)
+            frame = Frame(kind, self.checksum, request_id, layer, layer_count, runs, payload)
             self._pending[request_id] = (handle, frame if kind == Kind.READ else None)
         return frame
 
@@ -150,7 +152,10 @@ class _Connection:
     def _send_loop(self) -> None:
         while (job := self._jobs.get()) is not None:
             try:
-                job()
+                if isinstance(job, list):
+                    self._send_writes(job)
+                else:
+                    job()
             except OSError as exc:  # socket.timeout included: the peer stopped reading
                 self.close(f"send to {self.peer.name} failed: {exc}")
                 return
@@ -158,6 +163,19 @@ class _Connection:
                 logger.exception("KV send to %s failed", self.peer.name)
                 self.close(f"send to {self.peer.name} failed: {exc}")
                 return
+
+    def _send_writes(self, writes: list[LayerWrite]) -> None:
+        """Send pushed layers as one WRITE frame, answered by one ACK (or ERROR) for all of them."""
+        frame = writes[0].frame
+        if len(writes) > 1:
+            with self._lock:  # before the frame leaves: its answer may come at once
+                self._merged[frame.request_id] = [write.frame.request_id for write in writes[1:]]
+            frame = dataclasses.replace(frame, layer_count=len(writes),
+                                        payload_bytes=sum(write.frame.payload_bytes for write in writes))
+        for write in writes[:-1]:  # CUDA: pushes from another stream are not covered by the last event
+            if write.ready is not None:
+                write.ready.synchronize()
+        self._send_kv(frame, writes[-1].ready)
 
     def _send_kv(self, frame: Frame, ready: torch.cuda.Event | None = None) -> None:
         hasher = new_hasher(frame.checksum)
@@ -245,10 +263,13 @@ class _Connection:
     def _finish(self, request_id: int, error: str | None) -> None:
         with self._lock:
             handle, _ = self._pending.pop(request_id, (None, None))
+            merged = [self._pending.pop(later, (None, None))[0] for later in self._merged.pop(request_id, ())]
         if handle is None:
             logger.warning("answer for unknown request %d from %s", request_id, self.peer.name)
             return
-        handle.part_done(error)
+        for answered in (handle, *merged):
+            if answered is not None:
+                answered.part_done(error)
 
     # ---- shutdown ------------------------------------------------------------
 
@@ -290,20 +311,22 @@ class TcpSession(TransferSession):
     def push(self, layer: int, src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> TransferHandle:
         if not 0 <= layer < self.layout.num_layers:
             raise ValueError(f"layer {layer} out of range ({self.layout.num_layers} layers)")
-        runs = merge_runs(src_blocks, dst_blocks)
-        check_runs(runs, self.layout.num_blocks, self.peer.layout.num_blocks)
+        parts = plan_runs(tuple(src_blocks), tuple(dst_blocks), self.layout.num_blocks,
+                          self.peer.layout.num_blocks, len(self._conns))
         ready = torch.cuda.current_stream().record_event() if self._is_cuda else None
-        return self._spread(runs, 1, lambda conn, part, handle: conn.submit_write(layer, part, handle, ready))
+        return self._spread(parts, len(src_blocks),
+                            lambda conn, part, handle: conn.submit_write(layer, part, handle, ready))
 
     def pull(self, src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> TransferHandle:
-        runs = merge_runs(src_blocks, dst_blocks)
-        check_runs(runs, self.peer.layout.num_blocks, self.layout.num_blocks)
-        return self._spread(runs, self.layout.num_layers, lambda conn, part, handle: conn.submit_read(part, handle))
+        parts = plan_runs(tuple(src_blocks), tuple(dst_blocks), self.peer.layout.num_blocks,
+                          self.layout.num_blocks, len(self._conns))
+        return self._spread(parts, len(src_blocks) * self.layout.num_layers,
+                            lambda conn, part, handle: conn.submit_read(part, handle))
 
-    def _spread(self, runs: list[BlockRun], layers: int,
-                submit: Callable[[_Connection, list[BlockRun], TransferHandle], None]) -> TransferHandle:
-        parts = split_runs(runs, len(self._conns))
-        handle = TransferHandle(len(parts), layers * sum(r.count for r in runs) * self._block_bytes)
+    def _spread(self, parts: tuple[tuple[BlockRun, ...], ...], layer_blocks: int,
+                submit: Callable[[_Connection, tuple[BlockRun, ...], TransferHandle], None]) -> TransferHandle:
+        """Submit each part on its own connection; `layer_blocks`: blocks x layers the transfer moves."""
+        handle = TransferHandle(len(parts), layer_blocks * self._block_bytes)
         # Rotate the first connection so that small (one-part) transfers spread too.
         start = next(self._rotation)
         for i, part in enumerate(parts):
@@ -326,6 +349,11 @@ class TcpSession(TransferSession):
     @property
     def is_open(self) -> bool:
         return all(conn.is_open for conn in self._conns)
+
+    @property
+    def checksum(self) -> ChecksumKind:
+        """The payload checksum the handshake settled on (one for every connection)."""
+        return self._conns[0].checksum
 
     @property
     def bytes_sent(self) -> int:

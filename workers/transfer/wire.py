@@ -22,15 +22,18 @@ Payloads move with scatter-gather calls (`send_views`, `recv_into_views`):
 one `sendmsg` / `recvmsg_into` per batch of block runs, straight from and into
 the pools' memory.
 
-The checksum is there to catch a wrong offset or a torn write, not an
-attacker: xxh3-64 when both sides have `xxhash` (about twice as fast as zlib's
-crc32 here), else crc32.
+The checksum is there to catch bytes damaged on the way, not an attacker:
+xxh3-64 when both sides have `xxhash` (about twice as fast as zlib's crc32
+here), else crc32. By default (`checksum_preference`) a link skips it where it
+buys nothing and costs a quarter of the throughput (a link within one host,
+a TLS link).
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import ipaddress
 import socket
 import ssl
 import struct
@@ -113,6 +116,26 @@ class _NoChecksum:
 def supported_checksums() -> list[ChecksumKind]:
     """Checksum kinds this process can compute, best first."""
     return ([ChecksumKind.XXH3] if xxhash is not None else []) + [ChecksumKind.CRC32]
+
+
+def checksum_preference(peer_host: str, tls: bool) -> list[ChecksumKind]:
+    """The kinds an accepting side takes by default on a connection, best first.
+
+    No checksum first where it buys nothing: a peer on a loopback address (its
+    bytes never cross a wire; the kernel copies memory to memory, as `cuda_ipc`
+    does with no checksum) or a TLS connection (every record is already
+    authenticated). There hashing both ends would only cost (about a quarter
+    of loopback throughput). Elsewhere a checksum first: it backs up TCP's
+    16-bit checksum, which lets rare corrupted segments through.
+
+    Args:
+        peer_host: the peer's IP address as the socket reports it.
+    """
+    host = ipaddress.ip_address(peer_host)
+    if isinstance(host, ipaddress.IPv6Address) and host.ipv4_mapped is not None:
+        host = host.ipv4_mapped
+    checked = supported_checksums()
+    return [ChecksumKind.NONE, *checked] if tls or host.is_loopback else [*checked, ChecksumKind.NONE]
 
 
 def new_hasher(kind: ChecksumKind) -> Hasher:
