@@ -23,6 +23,7 @@ from disagg.proto.vocabulary import (
     DEVICES,
     DTYPES,
     HTTP_PORT,
+    KV_CHECKSUMS,
     MAX_KV_CONNECTIONS,
     MAX_PORT,
     PD_POLICIES,
@@ -98,6 +99,9 @@ FIELDS: tuple[Field, ...] = (
     Field("kvTransfer", "localMaxRunning", "local_max_running", int, None,
           "auto: requests a prefill serves itself at once (default: the worker's).",
           bounds=(1, 4096), flag="--pd-local-max-running"),
+    Field("kvTransfer", "checksum", "checksum", str, KV_CHECKSUMS[0],
+          "Payload checksum of TCP KV links: auto skips it on loopback and TLS links, where it buys nothing, "
+          "and uses xxh3 between hosts in plaintext.", choices=KV_CHECKSUMS, flag="--kv-checksum"),
     Field("kvTransfer", "connections", "connections", int, None,
           "TCP connections a decode opens per link (default: one per two CPUs of the pod, 1 to 4).",
           bounds=(1, MAX_KV_CONNECTIONS), flag="--kv-connections"),
@@ -162,6 +166,7 @@ class KvTransferSpec:
     local_max_tokens: int | None
     local_max_running: int | None
     transport: str
+    checksum: str
     connections: int | None  # TCP connections per link; None: the worker's default for its CPUs
 
 
