@@ -23,9 +23,11 @@ Two parts, one run:
 
 2. The engine. The builtin model served by LLMEngine with its decoder layers'
    projections replaced by each scheme (the output projection stays as the
-   engine packs it): output tokens per second at each batch size, and the
-   greedy tokens against fp32's (requests whose first token agrees, mean
-   common prefix). "int8 dynamic rows" scales each activation row to a
+   engine packs it): output tokens per second at each batch size; the greedy
+   tokens against fp32's (requests whose first token agrees, mean common
+   prefix); and, teacher-forced over every prompt position, how often the
+   most likely next token is fp32's, and the largest change of the log
+   probability of the prompt's own next token. "int8 dynamic rows" scales each activation row to a
    maximum of 1 before the per-tensor quantisation, so each row gets its own
    scale (y = W(x / r) r is exact before quantisation).
 
@@ -51,12 +53,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bench_engine import chat_prompts, time_ours
+from bench_engine import chat_prompts, load_average, time_ours
 from disagg.workers.engine.config import EngineConfig
 from disagg.workers.engine.llm_engine import LLMEngine
 from disagg.workers.engine.loader import default_cache_dir, load_model, resolve_model_dir
 from disagg.workers.engine.model_config import ModelConfig
 from disagg.workers.engine.models.packing import PackedLinear, packing_available
+from disagg.workers.engine.outputs import TokenLogprob
+from disagg.workers.engine.sampling_params import SamplingParams
 from disagg.workers.engine.tokenizer import Tokenizer
 
 CPU = torch.device("cpu")
@@ -269,6 +273,21 @@ def quantised_engine(source: str, tokenizer: Tokenizer, make: Make | None, confi
     return LLMEngine(config, loaded, tokenizer)  # packs what is left: the output projection
 
 
+def prompt_predictions(engine: LLMEngine, prompts: Sequence[list[int]]) -> tuple[list[int], list[float]]:
+    """Teacher-forced, over every prompt position past the first: the most likely next
+    token, and the log probability of the prompt's own next token."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"predict-{i}", prompt, params)
+    per_request: dict[str, list[TokenLogprob]] = {}
+    while engine.has_unfinished_requests:
+        for out in engine.step():
+            if out.prompt_logprobs is not None:
+                per_request[out.request_id] = [p for p in out.prompt_logprobs if p is not None]
+    ordered = [p for i in range(len(prompts)) for p in per_request[f"predict-{i}"]]
+    return [p.top[0][0] for p in ordered], [p.logprob for p in ordered]
+
+
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
@@ -281,8 +300,7 @@ def measure_engines(args: argparse.Namespace) -> list[str]:
                           max_model_len=256, enable_prefix_caching=False)
     schemes: dict[str, Make | None] = {"fp32 packed": None} | {s: SCHEMES[s] for s in args.schemes}
     engines = {name: quantised_engine(args.model, tokenizer, make, config) for name, make in schemes.items()}
-    for engine in engines.values():
-        time_ours(engine, prompts[:2], 4)  # warm-up
+    predictions = {name: prompt_predictions(engine, prompts) for name, engine in engines.items()}  # and warm-up
     tps: dict[tuple[str, int], list[float]] = {}
     tokens: dict[str, list[list[int]]] = {}
     order = list(engines)
@@ -295,20 +313,20 @@ def measure_engines(args: argparse.Namespace) -> list[str]:
                     tokens[name] = timing.token_ids
             print(f"  round {r + 1}, batch {b} done (load average {load_average()})", flush=True)
     lines = ["| weights | " + " | ".join(f"batch {b} (tok/s) | vs fp32" for b in args.batch_sizes)
-             + " | same first token | mean common prefix |",
-             "|---|" + "---:|---:|" * len(args.batch_sizes) + "---:|---:|"]
+             + " | same first token | mean common prefix | same next token, prompts | max dlogprob, prompts |",
+             "|---|" + "---:|---:|" * len(args.batch_sizes) + "---:|---:|---:|---:|"]
+    ref_top, ref_logprob = predictions["fp32 packed"]
     for name in engines:
         cells = [f"{statistics.median(tps[name, b]):.1f} | "
                  f"{statistics.median(tps[name, b]) / statistics.median(tps['fp32 packed', b]):.2f}x"
                  for b in args.batch_sizes]
         prefixes = [common_prefix(a, b) for a, b in zip(tokens[name], tokens["fp32 packed"])]
+        top, logprob = predictions[name]
+        same_next = sum(a == b for a, b in zip(top, ref_top))
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {sum(p > 0 for p in prefixes)}/{batch} "
-                     f"| {statistics.mean(prefixes):.1f}/{args.max_tokens} |")
+                     f"| {statistics.mean(prefixes):.1f}/{args.max_tokens} | {same_next}/{len(ref_top)} "
+                     f"| {max(abs(a - b) for a, b in zip(logprob, ref_logprob)):.2f} |")
     return lines
-
-
-def load_average() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -343,7 +361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
           f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}; model {args.model}, "
           f"projections (out, in) {shapes}")
-    lines = [MATMUL_HEADER]
+    lines = [MATMUL_HEADER] if args.rows else []
     for rows in args.rows:
         new = matmul_rows(rows, measure_matmuls(shapes, rows, args.rounds, args.min_seconds,
                                                 args.weight_only_max_rows))
