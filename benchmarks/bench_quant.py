@@ -14,7 +14,11 @@ Two parts, one run:
    - int8 w-only: `torch._weight_int8pack_mm`, the same int8 weights and fp32
      activations, each weight tile dequantised inside the kernel,
    - int4 w-only gN: `torch._weight_int4pack_mm_for_cpu`, 4-bit weights with a
-     scale and zero per group of N input channels (llama.cpp's Q4_1: groups of 32).
+     scale and zero per group of N input channels (llama.cpp's Q4_1: groups of 32),
+   - q4_1 x q8 (C prototype): the same int4 groups of 32 times activations
+     quantised to int8 per 32 values, integer dot products: what llama.cpp
+     does on AVX2, in benchmarks/q4_1_linear.c (one thread; compiled with gcc
+     when the run starts).
    The weight-only kernels are timed up to --weight-only-max-rows rows (they
    are many times slower here; at prefill sizes one round takes minutes).
    Printed: microseconds per layer (the four projections summed) and for
@@ -40,14 +44,20 @@ medians over rounds. The load average is printed as it goes.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import functools
 import os
 import shlex
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -79,14 +89,18 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_int4(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """weight [out, in] -> (q [out, in] int32 in [0, 15], scales, zeros [out, in/group]); [min, max]
-    of each group maps onto the 16 levels, and `zeros` are the kernel's (the value of q = 8)."""
+    """weight [out, in] -> (q [out, in/group, group] int32 in [0, 15], scales, lows [out, in/group]):
+    w ~ q * scale + low, [min, max] of each group mapped onto the 16 levels (llama.cpp's Q4_1)."""
     n_out, n_in = weight.shape
     w = weight.reshape(n_out, n_in // group, group)
     low, high = w.amin(dim=-1), w.amax(dim=-1)
     scales = ((high - low) / INT4_LEVELS).clamp(min=TINY)
     q = torch.round((w - low[..., None]) / scales[..., None]).clamp(0, INT4_LEVELS).to(torch.int32)
-    return q.reshape(n_out, n_in), scales, low + INT4_MID * scales
+    return q, scales, low
+
+
+def dequantize_int4(q: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor) -> torch.Tensor:
+    return (q * scales[..., None] + lows[..., None]).reshape(q.shape[0], -1)
 
 
 class Quantised(nn.Module):
@@ -119,11 +133,10 @@ class Int8WeightOnly(Quantised):
 class Int4WeightOnly(Quantised):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: int = 32) -> None:
         super().__init__(weight, bias)
-        q, scales, zeros = quantize_int4(self.dequantised, group)
-        n_out, n_in = q.shape
-        self.dequantised = ((q.reshape(n_out, n_in // group, group) - INT4_MID) * scales[..., None]
-                            + zeros[..., None]).reshape(n_out, n_in)
-        self.packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)  # innerKTiles: unused on a CPU
+        q, scales, lows = quantize_int4(self.dequantised, group)
+        self.dequantised = dequantize_int4(q, scales, lows)
+        self.packed = torch._convert_weight_to_int4pack_for_cpu(q.flatten(1), 1)  # innerKTiles: unused on a CPU
+        zeros = lows + INT4_MID * scales  # the kernel reads w = (q - 8) * scale + zero
         self.scales_and_zeros = torch.stack([scales, zeros], -1).transpose(0, 1).contiguous()  # [in/group, out, 2]
         self.group = group
 
@@ -153,12 +166,50 @@ class Int8Dynamic(Quantised):
         return torch.ops.quantized.linear_dynamic(x / r, self.packed, True) * r
 
 
+@functools.cache
+def q4_kernel() -> ctypes.CDLL:
+    """benchmarks/q4_1_linear.c, compiled once per run (gcc, AVX2 + FMA)."""
+    if torch.backends.cpu.get_cpu_capability() == "DEFAULT" or shutil.which("gcc") is None:
+        raise SystemExit("the q4_1 x q8 prototype needs gcc and an AVX2 CPU; leave it out with --schemes")
+    out = Path(tempfile.mkdtemp(prefix="bench-quant-")) / "q4_1_linear.so"
+    subprocess.run(["gcc", "-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-o", str(out),
+                    str(Path(__file__).with_name("q4_1_linear.c"))], check=True, timeout=120)
+    lib = ctypes.CDLL(str(out))
+    lib.q4_1_linear.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 3 + [ctypes.c_void_p] * 7
+    lib.q4_1_linear.restype = None
+    return lib
+
+
+class Q4_1xQ8(Quantised):
+    """The C prototype: Q4_1 weights (groups of 32) times activations quantised to int8 per
+    32 values, integer dot products, as llama.cpp computes its Q4_1 matmuls on AVX2."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__(weight, bias)
+        q, self.scales, self.lows = quantize_int4(self.dequantised, 32)
+        self.dequantised = dequantize_int4(q, self.scales, self.lows)
+        q8 = q.to(torch.uint8)
+        self.packed = (q8[..., :16] | (q8[..., 16:] << 4)).contiguous()  # [out, in/32, 16]: q[j], q[j + 16]
+        self.lib = q4_kernel()
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        (rows, n_in), n_out = x.shape, self.packed.shape[0]
+        y = torch.empty(rows, n_out)
+        xq = torch.empty(rows, n_in, dtype=torch.int8)
+        dx, xsum = torch.empty(rows, n_in // 32), torch.empty(rows, n_in // 32)
+        self.lib.q4_1_linear(x.data_ptr(), rows, n_in, n_out, self.packed.data_ptr(), self.scales.data_ptr(),
+                             self.lows.data_ptr(), y.data_ptr(), xq.data_ptr(), dx.data_ptr(), xsum.data_ptr())
+        return y
+
+
 Make = Callable[[torch.Tensor, torch.Tensor | None], nn.Module]
 SCHEMES: dict[str, Make] = {
     "int8 dynamic": Int8Dynamic,
     "int8 dynamic rows": lambda w, b: Int8Dynamic(w, b, per_row=True),
     "int8 w-only": Int8WeightOnly,
     "int4 w-only g32": Int4WeightOnly,
+    "q4_1 x q8 (C prototype)": Q4_1xQ8,
 }
 
 
@@ -171,7 +222,7 @@ def check_kernels() -> None:
         m = make(weight, None)
         assert isinstance(m, Quantised)
         want = x @ m.dequantised.T
-        bound = 0.05 if "dynamic" in name else 1e-4
+        bound = 1e-4 if "w-only" in name else 0.05  # the others quantise x too
         error = float((m(x) - want).abs().max() / want.abs().max())
         if error > bound:
             raise SystemExit(f"{name}: kernel differs from its dequantised weights by {error:.1e} > {bound}")
