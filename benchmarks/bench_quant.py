@@ -171,10 +171,11 @@ def q4_kernel() -> ctypes.CDLL:
     """benchmarks/q4_1_linear.c, compiled once per run (gcc, AVX2 + FMA)."""
     if torch.backends.cpu.get_cpu_capability() == "DEFAULT" or shutil.which("gcc") is None:
         raise SystemExit("the q4_1 x q8 prototype needs gcc and an AVX2 CPU; leave it out with --schemes")
-    out = Path(tempfile.mkdtemp(prefix="bench-quant-")) / "q4_1_linear.so"
-    subprocess.run(["gcc", "-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-o", str(out),
-                    str(Path(__file__).with_name("q4_1_linear.c"))], check=True, timeout=120)
-    lib = ctypes.CDLL(str(out))
+    with tempfile.TemporaryDirectory(prefix="bench-quant-") as tmp:  # a loaded library outlives its file
+        out = Path(tmp) / "q4_1_linear.so"
+        subprocess.run(["gcc", "-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-o", str(out),
+                        str(Path(__file__).with_name("q4_1_linear.c"))], check=True, timeout=120)
+        lib = ctypes.CDLL(str(out))
     lib.q4_1_linear.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 3 + [ctypes.c_void_p] * 7
     lib.q4_1_linear.restype = None
     return lib
