@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -251,6 +252,8 @@ def main() -> int:
     p.add_argument("--run-timeout", type=float, default=900.0, help="seconds one `vllm bench serve` may take")
     p.add_argument("--out", type=Path, default=None, help="results and logs (default: a temp folder)")
     args = p.parse_args()
+    # SIGTERM (or SIGINT, which a background job ignores) unwinds the `with` blocks, stopping every server
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     print("command:", " ".join([Path(sys.executable).name, *sys.argv]))
     args.threads = args.threads or default_threads(workers=1)
     args.model_dir = resolve_model_dir(args.model, default_cache_dir())
