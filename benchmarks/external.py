@@ -1,4 +1,4 @@
-"""Tools from outside the project (AIPerf, sglang-router), each installed in its
+"""Tools from outside the project (AIPerf, sglang-router, vLLM, llama.cpp), each installed in its
 own virtual environment so their pins never meet ours: find one's executable,
 run it to the end under a bound, or keep it running beside a benchmark and stop
 it, its children included.
@@ -11,7 +11,7 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -38,12 +38,14 @@ def _tail(log: Path, max_chars: int = 4000) -> str:
     return log.read_text(errors="replace")[-max_chars:] if log.exists() else f"(no log at {log})"
 
 
-def _spawn(cmd: Sequence[str | Path | int], log: Path) -> subprocess.Popen[bytes]:
+def _spawn(cmd: Sequence[str | Path | int], log: Path, env: Mapping[str, str] | None = None,
+           ) -> subprocess.Popen[bytes]:
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("ab") as out:
         # its own process group: AIPerf and the router start children, which must go with them
         return subprocess.Popen([str(c) for c in cmd], stdin=subprocess.DEVNULL, stdout=out,
-                                stderr=subprocess.STDOUT, process_group=0)
+                                stderr=subprocess.STDOUT, process_group=0,
+                                env=None if env is None else {**os.environ, **env})
 
 
 def _stop(process: subprocess.Popen[bytes], grace_s: float) -> None:
@@ -74,9 +76,13 @@ def run(cmd: Sequence[str | Path | int], log: Path, timeout_s: float) -> None:
 
 
 @contextmanager
-def serving(cmd: Sequence[str | Path | int], log: Path, ready_url: str, timeout_s: float) -> Iterator[None]:
-    """`cmd` running until the block ends, once `ready_url` answers 200 (within `timeout_s`)."""
-    process = _spawn(cmd, log)
+def serving(cmd: Sequence[str | Path | int], log: Path, ready_url: str, timeout_s: float,
+            env: Mapping[str, str] | None = None) -> Iterator[None]:
+    """`cmd` running until the block ends, once `ready_url` answers 200 (within `timeout_s`).
+
+    `env`: variables added to ours for it.
+    """
+    process = _spawn(cmd, log, env)
     try:
         deadline = time.monotonic() + timeout_s
         while True:
