@@ -122,7 +122,8 @@ def test_defaults_are_filled_in_by_the_api_server(custom: client.CustomObjectsAp
     body = {"apiVersion": f"{crd.GROUP}/{crd.VERSION}", "kind": crd.KIND, "metadata": {"name": "d"},
             "spec": {"model": {"source": "m"}}}
     got = create(custom, namespace, body)["spec"]
-    assert got["prefill"]["replicas"] == 1 and got["kvTransfer"] == {"mode": "PUSH", "transport": "tcp", "policy": "always"}
+    assert got["prefill"]["replicas"] == 1
+    assert got["kvTransfer"] == {"mode": "PUSH", "transport": "tcp", "policy": "always", "checksum": "auto"}
     assert got["security"] == {"insecure": False, "allowAnonymousPeers": False, "apiKeySecretKey": "key"}
     assert got["engine"]["blockSize"] == 16 and got["drain"]["timeoutSeconds"] == 60
 
