@@ -160,7 +160,7 @@ def main() -> int:
     p.add_argument("--items", type=int, default=4, help="records in a constrained output (default %(default)s)")
     p.add_argument("--kv-transfer-mode", choices=("PUSH", "PULL"), default="PUSH")
     p.add_argument("--threads", type=int, default=default_threads(), help="compute threads of the mixed worker")
-    p.add_argument("--pd-threads", type=int, default=default_threads(workers=2),
+    p.add_argument("--pd-threads", type=int, default=default_threads(),
                    help="compute threads of the prefill and of the decode")
     p.add_argument("--worker-env", nargs="*", default=[], metavar="KEY=VALUE")
     p.add_argument("--id-range", type=int, default=20000, help="prompt token ids are 100 + [0, this)")

@@ -78,7 +78,7 @@ def main() -> int:
     key_file = log_dir / "cluster.key"
     ClusterKey.generate().write(key_file)
     extra = ["--served-model-name", SERVED, "--max-model-len", "2048"]
-    threads = default_threads(workers=2)
+    threads = default_threads()
     workers = [spawn_worker(role, args.model, log_dir / f"{name}.log", extra, key_file=key_file, threads=threads)
                for name, role in (("victim", "decode"), ("spare", "decode"), ("prefill", "prefill"))]
     victim, spare, prefill = workers

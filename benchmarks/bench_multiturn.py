@@ -77,7 +77,7 @@ def measure(args: argparse.Namespace, reuse: bool, log_dir: Path, key_file: Path
     label = "reuse on" if reuse else "reuse off"
     extra = ["--served-model-name", SERVED, "--max-model-len", "2048", "--kv-prefix-reuse" if reuse
              else "--no-kv-prefix-reuse"]
-    threads = default_threads(workers=2)
+    threads = default_threads()
     workers = [spawn_worker(role, args.model, log_dir / f"{label.replace(' ', '-')}-{role}.log", extra,
                             key_file=key_file, threads=threads) for role in ("decode", "prefill")]
     try:

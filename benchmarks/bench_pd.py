@@ -213,7 +213,7 @@ def main() -> int:
     p.add_argument("--kv-transfer-mode", choices=("PUSH", "PULL"), default="PUSH")
     p.add_argument("--threads", type=int, default=default_threads(),
                    help="compute threads of the mixed worker (default: the usable CPUs, %(default)s)")
-    p.add_argument("--pd-threads", type=int, default=default_threads(workers=2),
+    p.add_argument("--pd-threads", type=int, default=default_threads(),
                    help="compute threads of the prefill and of the decode (default: half the usable CPUs each, "
                         "%(default)s)")
     p.add_argument("--worker-env", nargs="*", default=[], metavar="KEY=VALUE",

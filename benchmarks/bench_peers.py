@@ -255,7 +255,7 @@ def main() -> int:
     # SIGTERM (or SIGINT, which a background job ignores) unwinds the `with` blocks, stopping every server
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     print("command:", " ".join([Path(sys.executable).name, *sys.argv]))
-    args.threads = args.threads or default_threads(workers=1)
+    args.threads = args.threads or default_threads()
     args.model_dir = resolve_model_dir(args.model, default_cache_dir())
     args.our_flags = ["--served-model-name", SERVED, "--max-model-len", str(MAX_MODEL_LEN)]
     servers = [*ours(args), *vllm(args), *llama_cpp(args)]

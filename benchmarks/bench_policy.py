@@ -27,7 +27,7 @@ def start(args: argparse.Namespace, log_dir: Path) -> dict[str, WorkerProcess]:
     key_file = log_dir / "cluster.key"
     ClusterKey.generate().write(key_file)
     extra = ["--served-model-name", SERVED, "--max-model-len", "2048"]
-    threads = default_threads(workers=2)  # one target and the decode run at a time
+    threads = default_threads()  # one target and the decode run at a time
     specs = {"decode": ("decode", []), "PD always": ("prefill", ["--pd-policy", "always"]),
              "PD auto": ("prefill", ["--pd-policy", "auto"]), "mixed": ("mixed", [])}
     workers = {name: spawn_worker(role, args.model, log_dir / f"{name.replace(' ', '-')}.log", [*extra, *more],

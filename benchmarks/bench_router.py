@@ -52,7 +52,7 @@ def two_prefills_one_decode(model: str, log_dir: Path) -> Iterator[tuple[WorkerP
     log_dir.mkdir(parents=True, exist_ok=True)
     ClusterKey.generate().write(key_file)
     extra = ["--served-model-name", SERVED, "--max-model-len", "2048"]
-    threads = default_threads(workers=3)
+    threads = default_threads()
     workers: list[WorkerProcess] = []
     try:
         for role, name in (("decode", "decode"), ("prefill", "prefill-a"), ("prefill", "prefill-b")):

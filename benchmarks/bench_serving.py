@@ -91,7 +91,7 @@ def aiperf(args: argparse.Namespace, url: str, concurrency: int, out: Path) -> P
 
 @contextmanager
 def running_mixed(model: str, log_dir: Path, extra: list[str]) -> Iterator[WorkerProcess]:
-    worker = spawn_worker("mixed", model, log_dir / "mixed.log", extra, threads=default_threads(workers=1))
+    worker = spawn_worker("mixed", model, log_dir / "mixed.log", extra, threads=default_threads())
     try:
         worker.wait_loaded(STARTUP_S)
         yield worker

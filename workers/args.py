@@ -91,7 +91,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                      help="a Hugging Face model folder, a GGUF file, or builtin:smollm2-135m")
     eng.add_argument("--device", choices=DEVICES, default=_default(e, "device"), help="default %(default)s")
     eng.add_argument("--dtype", choices=DTYPES, default=_default(e, "dtype"),
-                     help="default %(default)s: float32 on a CPU, bfloat16 on CUDA")
+                     help="default %(default)s: bfloat16 on CUDA and on CPUs with native bf16 "
+                          "(AMX, AVX-512 BF16), else float32")
     eng.add_argument("--block-size", type=int, default=_default(e, "block_size"),
                      help="tokens per KV block (default %(default)s)")
     eng.add_argument("--num-kv-blocks", type=int, default=_default(e, "num_kv_blocks"),

@@ -178,16 +178,17 @@ def default_kv_connections(cpus: int | None = None) -> int:
     return max(1, min(4, (usable_cpus() if cpus is None else cpus) // 2))
 
 
-def default_threads(workers: int = 1, cpus: int | None = None) -> int:
-    """Compute threads for each of `workers` processes sharing this machine's usable CPUs.
+def default_threads(cpus: int | None = None) -> int:
+    """Compute threads of a worker: $OMP_NUM_THREADS when set (the OpenMP
+    convention torch follows too), else every CPU this process may use.
 
-    $OMP_NUM_THREADS, when set, wins (the OpenMP convention torch follows too).
-    Otherwise the usable CPUs split evenly, at least one each: more threads
-    than cores make the processes' thread pools preempt one another in the
-    middle of every matmul (docs/benchmarks.md).
+    Workers that share a machine (`disagg demo`, the benchmarks) take every
+    CPU each, not a share: their OpenMP threads wait passively (cli.py), so a
+    worker with nothing to do leaves the cores to the other, and one that
+    computes alone has all of them. A prefill and a decode sharing 2 cores
+    served 0.84x to 1.01x the mixed worker's tokens per second this way,
+    against 0.53x to 0.81x with a core each (docs/benchmarks.md).
     """
-    if workers < 1:
-        raise ValueError(f"workers must be at least 1, got {workers}")
     if cpus is None and (env := os.environ.get("OMP_NUM_THREADS")):
         try:
             threads = int(env)
@@ -196,4 +197,4 @@ def default_threads(workers: int = 1, cpus: int | None = None) -> int:
         if threads < 1:
             raise ValueError(f"OMP_NUM_THREADS must be at least 1, got {threads}")
         return threads
-    return max(1, (usable_cpus() if cpus is None else cpus) // workers)
+    return max(1, usable_cpus() if cpus is None else cpus)

@@ -117,8 +117,8 @@ def _mean(worker: WorkerProcess, histogram: str) -> float | None:
 def running_pair(model: str, log_dir: Path, extra: list[str], startup_timeout_s: float,
                  mode: str = "PUSH", key_file: Path | None = None,
                  ) -> Iterator[tuple[WorkerProcess, WorkerProcess]]:
-    """A prefill and a decode on loopback, loaded and linked, splitting the CPUs; both stopped on the way out,
-    whatever happens.
+    """A prefill and a decode on loopback, loaded and linked, each with every CPU (see
+    default_threads); both stopped on the way out, whatever happens.
 
     They share the key in `key_file`; None: a random one, written to `log_dir`.
     """
@@ -128,7 +128,7 @@ def running_pair(model: str, log_dir: Path, extra: list[str], startup_timeout_s:
         key_file.unlink(missing_ok=True)
         ClusterKey.generate().write(key_file)
     workers: list[WorkerProcess] = []
-    threads = default_threads(workers=2)
+    threads = default_threads()
     try:
         for role in ("decode", "prefill"):
             with _CTRL_C.deferred():

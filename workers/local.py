@@ -135,8 +135,7 @@ def spawn_worker(role: str, model: str, log_path: Path, extra: Sequence[str] = (
 
     A prefill or decode gets `--cluster-key-file key_file`, or `--insecure` when it is None,
     and `--tls-dir tls_dir` when given.
-    `threads`: its --threads; give workers that run at the same time their
-    share of the CPUs (`default_threads(workers=N)`). None: the worker's default.
+    `threads`: its --threads; None: the worker's default (default_threads).
     """
     ports = [free_port(host) for _ in range(4)]
     auth = [] if role == "mixed" else ["--insecure"] if key_file is None else ["--cluster-key-file", str(key_file)]

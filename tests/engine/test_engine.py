@@ -17,7 +17,7 @@ import torch
 
 from disagg.testing.tiny_model import FAMILIES
 from disagg.workers.engine.async_engine import AsyncEngine, EngineError, EngineStats
-from disagg.workers.engine.config import EngineConfig
+from disagg.workers.engine.config import EngineConfig, cpu_has_native_bf16
 from disagg.workers.engine.llm_engine import LLMEngine, OutOfBlocks, PromptTooLarge
 from disagg.workers.engine.outputs import FinishReason, RequestOutput
 from disagg.workers.engine.sampling_params import SamplingParams
@@ -516,3 +516,23 @@ def test_min_tokens_holds_back_eos_stop_tokens_and_stop_strings(make_engine: Mak
     assert stop_text, "the random model's text is too short"
     late = run(engine, [(prompt, dataclasses.replace(GREEDY, stop=(stop_text,), min_tokens=8))])[0]
     assert late.final.finish_reason == "length" and late.text.startswith(stop_text)
+
+
+@pytest.mark.parametrize(("flags", "native"), [
+    ("fpu sse2 avx avx2 fma", False),
+    ("fpu avx2 avx512f avx512bw avx512_vnni", False),  # AVX-512 without its bf16 instructions
+    ("fpu avx2 avx512f avx512_bf16", True),
+    ("fpu avx2 amx_tile amx_bf16 amx_int8", True),
+])
+def test_native_bf16_is_read_from_the_cpu_flags(tmp_path: Path, flags: str, native: bool) -> None:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nmodel name\t: some CPU\nflags\t\t: {flags}\n\nprocessor\t: 1\n")
+    assert cpu_has_native_bf16(cpuinfo) is native
+    assert cpu_has_native_bf16(tmp_path / "absent") is False
+
+
+def test_auto_dtype_follows_the_device_and_the_cpu() -> None:
+    assert EngineConfig(model="m", device="cpu", dtype="float32").torch_dtype == torch.float32
+    assert EngineConfig(model="m", device="cpu", dtype="bfloat16").torch_dtype == torch.bfloat16
+    expected = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    assert EngineConfig(model="m", device="cpu").torch_dtype == expected

@@ -21,14 +21,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from disagg.workers.engine.attention import AttentionMetadata, build_metadata, paged_attention
-from disagg.workers.engine.forward_batch import ForwardBatch
+from disagg.workers.engine.attention import build_metadata, decode_kernel
+from tests.engine.decode_steps import KV_HEADS, SCALE, attend, context_lens_for, decode_step, random_q
 
 pytest.importorskip("triton")
-torch.set_num_threads(2)
+from disagg.workers.engine.triton_attention import paged_decode_attention  # noqa: E402 (after the skip)
 
-SCALE = 0.125
-KV_HEADS = 2
+torch.set_num_threads(2)
 
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -45,44 +44,6 @@ def test_interpreter_child_run() -> None:
     assert " passed" in child.stdout, child.stdout[-2000:]
 
 
-def context_lens_for(block_size: int) -> list[int]:
-    """Lengths at and around block boundaries, plus one spanning several kernel tiles."""
-    lens = {1, block_size - 1, block_size, block_size + 1, 2 * block_size, 3 * block_size - 1, 70}
-    return sorted(n for n in lens if n >= 1)
-
-
-def decode_step(paged_cache: type, lens: list[int], *, block_size: int, head_dim: int,
-                dtype: torch.dtype, device: str, prefill_len: int = 0) -> tuple[torch.Tensor, ForwardBatch]:
-    """A cache of random K/V and one step in which sequence i reaches lens[i] tokens with
-    one new token; with prefill_len, one more sequence adds that many tokens in the same step.
-
-    Returns the layer cache [num_blocks, 2, block_size, kvh, hd] and the step's batch.
-    """
-    num_blocks = sum(-(-n // block_size) for n in lens) + 4 + prefill_len // block_size
-    cache = paged_cache(1, KV_HEADS, head_dim, block_size=block_size, num_blocks=num_blocks,
-                        dtype=dtype, device=device, seed=block_size)
-    for seq, n in enumerate(lens):
-        if n > 1:
-            cache.batch({seq: [0] * (n - 1)})  # only allocates the blocks and advances the length
-    chunks = {seq: [0] for seq in range(len(lens))}
-    if prefill_len:
-        chunks[len(lens)] = [0] * prefill_len
-    batch = cache.batch(chunks)
-    layer_cache = cache.kv_cache[0]
-    layer_cache.copy_(torch.randn(layer_cache.shape, generator=torch.Generator().manual_seed(1)))
-    return layer_cache, batch
-
-
-def attend(q: torch.Tensor, kv: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-    # the step's own K/V: read only by a prefill with nothing cached before it
-    return paged_attention(q, kv, kv, layer_cache, meta, SCALE)
-
-
-def random_q(num_tokens: int, group: int, head_dim: int, dtype: torch.dtype, device: str) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(2)
-    return torch.randn(num_tokens, KV_HEADS * group, head_dim, generator=gen).to(device=device, dtype=dtype)
-
-
 @pytest.mark.parametrize("head_dim", [32, 64])
 @pytest.mark.parametrize("group", [1, 3])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
@@ -94,8 +55,8 @@ def test_interp_matches_plain_path_fp32(paged_cache: type, block_size: int,
                                      dtype=torch.float32, device="cpu")
     q = random_q(len(lens), group, head_dim, torch.float32, "cpu")
     kv = torch.zeros(len(lens), KV_HEADS, head_dim)
-    kernel_meta = build_metadata(batch, block_size, use_kernel=True)
-    plain_meta = build_metadata(batch, block_size, use_kernel=False)
+    kernel_meta = build_metadata(batch, block_size, kernel=paged_decode_attention)
+    plain_meta = build_metadata(batch, block_size)
     assert kernel_meta.decode is not None and kernel_meta.decode.padded is None, "kernel path not chosen"
     assert plain_meta.decode is not None and plain_meta.decode.padded is not None
     # the tables really are shuffled: a kernel ignoring them would read other blocks
@@ -123,8 +84,8 @@ def test_interp_half_precision(paged_cache: type, dtype: torch.dtype, atol: floa
                                      dtype=dtype, device="cpu")
     q = random_q(len(lens), group, head_dim, dtype, "cpu")
     kv = torch.zeros(len(lens), KV_HEADS, head_dim)
-    got = attend(q, kv.to(dtype), layer_cache, build_metadata(batch, block_size, use_kernel=True))
-    want = attend(q.float(), kv, layer_cache.float(), build_metadata(batch, block_size, use_kernel=False))
+    got = attend(q, kv.to(dtype), layer_cache, build_metadata(batch, block_size, kernel=paged_decode_attention))
+    want = attend(q.float(), kv, layer_cache.float(), build_metadata(batch, block_size))
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), want, atol=atol, rtol=0)
 
@@ -139,25 +100,23 @@ def test_interp_mixed_step(paged_cache: type) -> None:
     num_tokens = len(lens) + prefill_len
     q = random_q(num_tokens, group, head_dim, torch.float32, "cpu")
     kv = torch.randn(num_tokens, KV_HEADS, head_dim, generator=torch.Generator().manual_seed(3))
-    kernel_meta = build_metadata(batch, block_size, use_kernel=True)
+    kernel_meta = build_metadata(batch, block_size, kernel=paged_decode_attention)
     assert kernel_meta.decode is not None and kernel_meta.decode.token_rows is not None
     got = attend(q, kv, layer_cache, kernel_meta)
-    want = attend(q, kv, layer_cache, build_metadata(batch, block_size, use_kernel=False))
+    want = attend(q, kv, layer_cache, build_metadata(batch, block_size))
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-def test_metadata_picks_plain_path_on_cpu(paged_cache: type) -> None:
+def test_metadata_without_a_kernel_takes_the_padded_gather(paged_cache: type) -> None:
     layer_cache, batch = decode_step(paged_cache, [5], block_size=4, head_dim=32,
                                      dtype=torch.float32, device="cpu")
     meta = build_metadata(batch, 4)
-    assert meta.decode is not None and meta.decode.padded is not None
+    assert meta.decode is not None and meta.decode.padded is not None and meta.decode.kernel is None
     assert meta.decode.block_tables.dtype == torch.int32 and meta.decode.context_lens.tolist() == [5]
 
 
 def test_kernel_rejects_mismatched_inputs() -> None:
     """Checked before any launch, so this runs in the parent too."""
-    from disagg.workers.engine.triton_attention import paged_decode_attention
-
     cache = torch.zeros(4, 2, 4, KV_HEADS, 32)
     tables = torch.zeros(2, 3, dtype=torch.int32)
     lens = torch.ones(2, dtype=torch.int32)
@@ -184,8 +143,9 @@ def test_kernel_on_cuda(monkeypatch: pytest.MonkeyPatch, paged_cache: type, bloc
                                      dtype=dtype, device="cuda")
     q = random_q(len(lens), group, head_dim, dtype, "cuda")
     kv = torch.zeros(len(lens), KV_HEADS, head_dim, device="cuda")
-    meta = build_metadata(batch, block_size)
-    assert meta.decode is not None and meta.decode.padded is None, "CUDA with Triton must take the kernel"
+    meta = build_metadata(batch, block_size, decode_kernel(layer_cache, KV_HEADS * group))
+    assert meta.decode is not None and meta.decode.kernel is paged_decode_attention, \
+        "CUDA with Triton must take the kernel"
     got = attend(q, kv.to(dtype), layer_cache, meta)
-    want = attend(q.float(), kv, layer_cache.float(), build_metadata(batch, block_size, use_kernel=False))
+    want = attend(q.float(), kv, layer_cache.float(), build_metadata(batch, block_size))
     torch.testing.assert_close(got.float(), want, atol=atol, rtol=0)

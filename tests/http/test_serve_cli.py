@@ -117,24 +117,21 @@ def test_metrics_carry_every_contract_name(served: Any) -> None:
     assert 'python_gc_collections_total{generation="2"}' in text and "process_cpu_seconds_total" in text
 
 
-@pytest.mark.parametrize(("workers", "cpus", "threads"), [(1, 1, 1), (1, 2, 2), (2, 2, 1), (2, 1, 1), (3, 16, 5)])
-def test_default_threads_split_the_usable_cpus(monkeypatch: pytest.MonkeyPatch, workers: int, cpus: int,
-                                               threads: int) -> None:
+@pytest.mark.parametrize(("cpus", "threads"), [(1, 1), (2, 2), (16, 16), (0, 1)])
+def test_default_threads_are_the_usable_cpus(monkeypatch: pytest.MonkeyPatch, cpus: int, threads: int) -> None:
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    assert default_threads(workers, cpus) == threads
+    assert default_threads(cpus) == threads
 
 
 def test_default_threads_follow_omp_num_threads(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert default_threads() == usable_cpus()
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    assert default_threads() == default_threads(workers=2) == 3
+    assert default_threads() == 3
     for bad in ("many", "0"):
         monkeypatch.setenv("OMP_NUM_THREADS", bad)
         with pytest.raises(ValueError, match="OMP_NUM_THREADS"):
             default_threads()
-    with pytest.raises(ValueError, match="workers must be at least 1"):
-        default_threads(workers=0)
 
 
 @pytest.mark.parametrize(("given", "expected"), [

@@ -10,19 +10,25 @@ where slot s (block b = s // block_size, offset o = s % block_size) keeps
 Every index tensor below is built once per forward (AttentionMetadata) and
 shared by all layers, so a layer's work is tensor ops only.
 
-Decode steps on CUDA (with Triton) skip the padded gather: the kernel of
-triton_attention reads K/V through the block tables directly.
+Decode steps skip the padded gather where a kernel reads K/V through the
+block tables directly: triton_attention's on CUDA, cpu_attention's on a CPU
+(see decode_kernel).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from disagg.workers.engine import triton_attention
+from disagg.workers.engine import cpu_attention, triton_attention
 from disagg.workers.engine.forward_batch import ForwardBatch
+
+# (q [Bd, heads, hd], layer_cache, block_tables [Bd, max_blocks] int32, context_lens [Bd] int32, scale)
+# -> [Bd, heads, hd]: attention of one new token per sequence, read through the block tables.
+DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
 @dataclass
@@ -41,7 +47,8 @@ class DecodeGroup:
     token_rows: torch.Tensor | None  # [Bd] their rows in the step's tokens; None = all rows, in order
     block_tables: torch.Tensor  # [Bd, max_blocks] int32, the decode sequences' tables
     context_lens: torch.Tensor  # [Bd] int32, tokens in each one's cache (>= 1)
-    padded: PaddedContext | None  # None: the Triton kernel reads the cache by block table
+    kernel: DecodeKernel | None  # reads the cache by block table; None: the padded gather
+    padded: PaddedContext | None  # set when kernel is None
 
 
 @dataclass
@@ -63,15 +70,23 @@ class AttentionMetadata:
     prefills: list[PrefillSegment]
 
 
-def build_metadata(batch: ForwardBatch, block_size: int, use_kernel: bool | None = None) -> AttentionMetadata:
+def decode_kernel(kv_cache: torch.Tensor, num_heads: int) -> DecodeKernel | None:
+    """The kernel that serves decode attention over this cache, or None for the padded gather."""
+    if kv_cache.device.type == "cuda":
+        return triton_attention.paged_decode_attention if triton_attention.is_available() else None
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    block_size = kv_cache.shape[-3]
+    return cpu_attention.paged_decode_attention \
+        if cpu_attention.supports(kv_cache, num_heads, num_kv_heads, head_dim, block_size) else None
+
+
+def build_metadata(batch: ForwardBatch, block_size: int, kernel: DecodeKernel | None = None) -> AttentionMetadata:
     """Translates slots and block tables into cache rows, once per forward.
 
-    use_kernel picks the decode path: the Triton kernel (True) or the padded
-    gather (False); None picks the kernel on CUDA when Triton imports.
+    kernel: what reads the decode rows' context through the block tables
+    (decode_kernel picks it); None copies it into a padded tensor first.
     """
     device = batch.input_ids.device
-    if use_kernel is None:
-        use_kernel = device.type == "cuda" and triton_attention.is_available()
     row_stride = 2 * block_size  # rows per block: K rows then V rows
     slots = batch.slot_mapping.to(device=device, dtype=torch.int64)
     write_k = (slots // block_size) * row_stride + slots % block_size
@@ -98,7 +113,7 @@ def build_metadata(batch: ForwardBatch, block_size: int, use_kernel: bool | None
         decode_tables = block_tables.index_select(0, seq_index)  # [Bd, max_blocks]
         decode_lens = torch.tensor(lens, device=device)
         padded = None
-        if not use_kernel:
+        if kernel is None:
             max_ctx = max(lens)
             k_rows = context_rows(decode_tables, max_ctx).flatten()
             mask = torch.arange(max_ctx, device=device)[None, :] < decode_lens[:, None]
@@ -106,7 +121,7 @@ def build_metadata(batch: ForwardBatch, block_size: int, use_kernel: bool | None
         token_rows = None if len(decode_seqs) == batch.num_seqs else \
             torch.tensor([starts[i] for i in decode_seqs], device=device)
         decode = DecodeGroup(token_rows, decode_tables.to(torch.int32).contiguous(),
-                             decode_lens.to(torch.int32), padded)
+                             decode_lens.to(torch.int32), kernel, padded)
 
     prefills = []
     for i, q_len in enumerate(batch.query_lens):
@@ -166,9 +181,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cac
 
 def _decode_any(q: torch.Tensor, layer_cache: torch.Tensor, group: DecodeGroup, scale: float) -> torch.Tensor:
     # q: [Bd, heads, hd] -> [Bd, heads, hd], by the path build_metadata chose
-    if group.padded is None:
-        return triton_attention.paged_decode_attention(q, layer_cache, group.block_tables,
-                                                       group.context_lens, scale)
+    if group.kernel is not None:
+        return group.kernel(q, layer_cache, group.block_tables, group.context_lens, scale)
+    assert group.padded is not None
     return _decode(q, layer_cache.view(-1, *layer_cache.shape[-2:]), group.padded, scale)
 
 

@@ -14,7 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from disagg.workers.engine.attention import AttentionMetadata, build_metadata, paged_attention, write_kv
+from disagg.workers.engine.attention import (
+    AttentionMetadata, build_metadata, decode_kernel, paged_attention, write_kv,
+)
 from disagg.workers.engine.forward_batch import ForwardBatch
 from disagg.workers.engine.model_config import ConfigTraits, ModelConfig
 from disagg.workers.engine.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rope, input_major
@@ -135,7 +137,8 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         """Runs one step; returns the final hidden states [T, hidden] of every new token."""
-        meta = build_metadata(batch, block_size=kv_cache.shape[3])
+        meta = build_metadata(batch, block_size=kv_cache.shape[3],
+                              kernel=decode_kernel(kv_cache, self.config.num_heads))
         return self.model(batch.input_ids, batch.positions, kv_cache, meta, batch.on_layer_written)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,255 @@
+/* Paged decode attention on the CPU: one new query token per sequence,
+ * attending over its cached keys and values read in place through its block
+ * table (no gathered copy of the context).
+ *
+ * Cache layout of one layer (see workers/engine/attention.py):
+ *     [num_blocks, 2 (K, V), block_size, num_kv_heads, head_dim]
+ * Each (sequence, KV head) pair is one task: its group of query heads walks
+ * the sequence's blocks once with an online softmax (running max and sum), so
+ * every K and V row is read once, for the whole group.
+ *
+ * Built by workers/engine/cpu_attention.py with -O3 -fopenmp; the OpenMP
+ * runtime is the one torch already loaded (same soname), so these threads are
+ * torch's. The cache holds float32, or bfloat16 widened to float32 on load;
+ * queries and the output are float32.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_GROUP 32      /* query heads per KV head */
+#define MAX_ROWS 64       /* query heads per task (a task per sequence needs heads <= this) */
+#define MAX_HEAD_DIM 256
+#define MAX_BLOCK 256     /* tokens per block */
+
+/* e^x for x <= 0 (scores minus their running max), branch-free so that loops
+ * over it vectorise: 2^n * 2^f with a degree-6 polynomial for 2^f on
+ * [-0.5, 0.5]; relative error < 2e-7; 0 below e^-87. */
+static inline float exp_nonpositive(float x) {
+    float t = x * 1.44269504088896341f;  /* log2(e) x */
+    t = t < -126.0f ? -126.0f : t;  /* (not fmaxf: a libm call, which stops vectorisation) */
+    const float n = (t + 12582912.0f) - 12582912.0f;  /* round to nearest: 1.5 * 2^23 */
+    const float f = t - n;
+    float p = 1.5403530393381606e-4f;
+    p = p * f + 1.3333558146428443e-3f;
+    p = p * f + 9.6181291076284772e-3f;
+    p = p * f + 5.5504108664821580e-2f;
+    p = p * f + 2.4022650695910071e-1f;
+    p = p * f + 6.9314718055994531e-1f;
+    p = p * f + 1.0f;
+    union { uint32_t u; float f; } two_to_n = { .u = (uint32_t)((int32_t)n + 127) << 23 };
+    return p * two_to_n.f * (float)(x >= -87.0f);
+}
+
+static inline float bf16_to_float(uint16_t h) {
+    union { uint32_t u; float f; } v = { .u = (uint32_t)h << 16 };
+    return v.f;
+}
+
+/* q . k and acc += p * v over one cache row (float32 or bfloat16): with AVX2,
+ * eight lanes at a time (GCC leaves these loops scalar once inlined into the
+ * block walk), the rest one by one. */
+#ifdef __AVX2__
+#include <immintrin.h>
+
+static inline float horizontal_sum(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+
+static inline __m256 load8_bf16(const uint16_t *p) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+#define VECTOR_LANES 8
+#else
+#define VECTOR_LANES 0
+#endif
+
+/* Each loop below keeps several independent accumulators: a single one makes
+ * every FMA wait for the previous one's result (4 to 5 cycles), which made the
+ * kernel latency-bound at a fifth of the machine's FMA rate. */
+#define LOAD8_f32(p) _mm256_loadu_ps(p)
+#define LOAD8_bf16(p) load8_bf16(p)
+
+#define DEFINE_DOT(SUFFIX, ELEM, SCALAR)                                                             \
+static inline float dot_##SUFFIX(const float *restrict q, const ELEM *restrict k, int n) {          \
+    int d = 0;                                                                                       \
+    float sum = 0.0f;                                                                                \
+    VECTOR_DOT(SUFFIX)                                                                               \
+    for (; d < n; d++) sum += q[d] * SCALAR(k[d]);                                                   \
+    return sum;                                                                                      \
+}
+
+/* acc = acc * rescale + sum over t of w[t] * row t of `values` (rows token_bytes apart), 64 lanes
+ * (8 registers) at a time while they last. */
+#define DEFINE_ACCUMULATE(SUFFIX, ELEM, SCALAR)                                                      \
+static inline void accumulate_##SUFFIX(float *restrict acc, float rescale, const float *restrict w, \
+                                       const char *restrict values, int tokens, size_t token_bytes, \
+                                       int n) {                                                      \
+    int d = 0;                                                                                       \
+    VECTOR_ACCUMULATE(SUFFIX, ELEM)                                                                  \
+    for (; d < n; d++) {                                                                             \
+        float sum = acc[d] * rescale;                                                                \
+        for (int t = 0; t < tokens; t++) sum += w[t] * SCALAR(((const ELEM *)(values + t * token_bytes))[d]); \
+        acc[d] = sum;                                                                                \
+    }                                                                                                \
+}
+
+#if VECTOR_LANES
+#define VECTOR_DOT(SUFFIX)                                                                           \
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();                                      \
+    __m256 s2 = _mm256_setzero_ps(), s3 = _mm256_setzero_ps();                                      \
+    for (; d + 32 <= n; d += 32) {                                                                   \
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), LOAD8_##SUFFIX(k + d), s0);                     \
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), LOAD8_##SUFFIX(k + d + 8), s1);             \
+        s2 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 16), LOAD8_##SUFFIX(k + d + 16), s2);           \
+        s3 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 24), LOAD8_##SUFFIX(k + d + 24), s3);           \
+    }                                                                                                \
+    for (; d + 8 <= n; d += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), LOAD8_##SUFFIX(k + d), s0); \
+    sum = horizontal_sum(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
+#define VECTOR_ACCUMULATE(SUFFIX, ELEM)                                                              \
+    const __m256 r = _mm256_set1_ps(rescale);                                                        \
+    for (; d + 64 <= n; d += 64) {                                                                   \
+        __m256 a[8];                                                                                 \
+        for (int j = 0; j < 8; j++) a[j] = _mm256_mul_ps(_mm256_loadu_ps(acc + d + 8 * j), r);       \
+        for (int t = 0; t < tokens; t++) {                                                           \
+            const ELEM *v = (const ELEM *)(values + t * token_bytes) + d;                            \
+            const __m256 p = _mm256_set1_ps(w[t]);                                                   \
+            for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(p, LOAD8_##SUFFIX(v + 8 * j), a[j]);  \
+        }                                                                                            \
+        for (int j = 0; j < 8; j++) _mm256_storeu_ps(acc + d + 8 * j, a[j]);                         \
+    }                                                                                                \
+    for (; d + 8 <= n; d += 8) {                                                                     \
+        __m256 a = _mm256_mul_ps(_mm256_loadu_ps(acc + d), r);                                       \
+        for (int t = 0; t < tokens; t++)                                                             \
+            a = _mm256_fmadd_ps(_mm256_set1_ps(w[t]),                                                \
+                                LOAD8_##SUFFIX((const ELEM *)(values + t * token_bytes) + d), a);    \
+        _mm256_storeu_ps(acc + d, a);                                                                \
+    }
+#else
+#define VECTOR_DOT(SUFFIX)
+#define VECTOR_ACCUMULATE(SUFFIX, ELEM)
+#endif
+
+#define AS_FLOAT(x) (x)
+DEFINE_DOT(f32, float, AS_FLOAT)
+DEFINE_DOT(bf16, uint16_t, bf16_to_float)
+DEFINE_ACCUMULATE(f32, float, AS_FLOAT)
+DEFINE_ACCUMULATE(bf16, uint16_t, bf16_to_float)
+
+/* One task: a sequence's query heads of KV heads [first, first + span); q and
+ * out point at the first of those query heads. Per block: the block's key rows
+ * are read in memory order once for every head (scores), each head's running
+ * max and sum take the block in, and its value rows are summed while the block
+ * is in cache. (Tasks of one KV head each would read a third of every row and
+ * leave the rest of each cache line to a later task: three times the traffic.) */
+static inline __attribute__((always_inline)) void attend(
+        const float *restrict q, const char *restrict cache, const int32_t *restrict table, int context,
+        float *restrict out, int group, int kv_heads, int head_dim, int block_size, int first, int span,
+        float scale, int bf16) {
+    float acc[MAX_ROWS][MAX_HEAD_DIM];
+    float row_max[MAX_ROWS], row_sum[MAX_ROWS], weights[MAX_ROWS][MAX_BLOCK];
+    const int rows = span * group;
+    for (int r = 0; r < rows; r++) {
+        memset(acc[r], 0, sizeof(float) * (size_t)head_dim);
+        row_max[r] = -INFINITY;
+        row_sum[r] = 0.0f;
+    }
+    const size_t elem = bf16 ? 2 : 4;
+    const size_t head_bytes = (size_t)head_dim * elem;
+    const size_t token_bytes = (size_t)kv_heads * head_bytes;
+    const size_t half_block = (size_t)block_size * token_bytes;  /* the K rows, then the V rows */
+    for (int start = 0; start < context; start += block_size) {
+        const int tokens = context - start < block_size ? context - start : block_size;
+        const char *keys = cache + (size_t)table[start / block_size] * 2 * half_block + (size_t)first * head_bytes;
+        const char *values = keys + half_block;
+        for (int t = 0; t < tokens; t++)
+            for (int r = 0; r < rows; r++) {
+                const char *k = keys + t * token_bytes + (size_t)(r / group) * head_bytes;
+                const float *qr = q + (size_t)r * head_dim;
+                const float dot = bf16 ? dot_bf16(qr, (const uint16_t *)k, head_dim)
+                                       : dot_f32(qr, (const float *)k, head_dim);
+                weights[r][t] = dot * scale;
+            }
+        for (int r = 0; r < rows; r++) {
+            float *w = weights[r];
+            float block_max = row_max[r];
+            for (int t = 0; t < tokens; t++) block_max = w[t] > block_max ? w[t] : block_max;
+            const float rescale = exp_nonpositive(row_max[r] - block_max);  /* e^-inf = 0 on the first block */
+            float block_sum = 0.0f;
+            #pragma omp simd reduction(+:block_sum)
+            for (int t = 0; t < tokens; t++) {
+                w[t] = exp_nonpositive(w[t] - block_max);
+                block_sum += w[t];
+            }
+            const char *v = values + (size_t)(r / group) * head_bytes;
+            if (bf16) accumulate_bf16(acc[r], rescale, w, v, tokens, token_bytes, head_dim);
+            else accumulate_f32(acc[r], rescale, w, v, tokens, token_bytes, head_dim);
+            row_sum[r] = row_sum[r] * rescale + block_sum;
+            row_max[r] = block_max;
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        const float inv = 1.0f / row_sum[r];  /* >= 1: the max score's own term is e^0 */
+        float *o = out + (size_t)r * head_dim;
+        for (int d = 0; d < head_dim; d++) o[d] = acc[r][d] * inv;
+    }
+}
+
+typedef void (*attend_fn)(const float *, const char *, const int32_t *, int, float *, int, int, int, int, int, int,
+                          float);
+
+/* attend with the element type fixed, so that its loops vectorise (the OpenMP
+ * region below is outlined before inlining, where a flag would stay a variable). */
+static void attend_f32(const float *q, const char *cache, const int32_t *table, int context, float *out, int group,
+                       int kv_heads, int head_dim, int block_size, int first, int span, float scale) {
+    attend(q, cache, table, context, out, group, kv_heads, head_dim, block_size, first, span, scale, 0);
+}
+
+static void attend_bf16(const float *q, const char *cache, const int32_t *table, int context, float *out,
+                        int group, int kv_heads, int head_dim, int block_size, int first, int span, float scale) {
+    attend(q, cache, table, context, out, group, kv_heads, head_dim, block_size, first, span, scale, 1);
+}
+
+/* q, out: [batch, heads, head_dim] float32; block_tables: [batch, max_blocks];
+ * context_lens: [batch]. Returns 0, or a negative code for shapes it does not
+ * take (the caller then uses the gather path). */
+static int paged_decode(attend_fn task_fn, const float *q, const void *cache, const int32_t *block_tables,
+                        const int32_t *context_lens, float *out, int batch, int heads, int kv_heads, int head_dim,
+                        int block_size, int max_blocks, float scale, int threads) {
+    if (kv_heads <= 0 || heads % kv_heads != 0 || heads / kv_heads > MAX_GROUP
+        || head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK)
+        return -1;
+    for (int b = 0; b < batch; b++)
+        if (context_lens[b] < 1 || context_lens[b] > max_blocks * block_size) return -2;
+    const int group = heads / kv_heads;
+    /* A task per sequence, all its heads, when that keeps every thread busy;
+     * else a task per (sequence, KV head). */
+    const int span = heads <= MAX_ROWS && batch >= 2 * threads ? kv_heads : 1;
+    const int tasks_per_seq = kv_heads / span;
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int task = 0; task < batch * tasks_per_seq; task++) {
+        const int b = task / tasks_per_seq, h = task % tasks_per_seq * span;
+        const size_t first_row = ((size_t)b * heads + (size_t)h * group) * head_dim;
+        task_fn(q + first_row, (const char *)cache, block_tables + (size_t)b * max_blocks, context_lens[b],
+                out + first_row, group, kv_heads, head_dim, block_size, h, span, scale);
+    }
+    return 0;
+}
+
+int paged_decode_f32(const float *q, const float *cache, const int32_t *block_tables, const int32_t *context_lens,
+                     float *out, int batch, int heads, int kv_heads, int head_dim, int block_size, int max_blocks,
+                     float scale, int threads) {
+    return paged_decode(attend_f32, q, cache, block_tables, context_lens, out, batch, heads, kv_heads, head_dim,
+                        block_size, max_blocks, scale, threads);
+}
+
+int paged_decode_bf16(const float *q, const uint16_t *cache, const int32_t *block_tables,
+                      const int32_t *context_lens, float *out, int batch, int heads, int kv_heads, int head_dim,
+                      int block_size, int max_blocks, float scale, int threads) {
+    return paged_decode(attend_bf16, q, cache, block_tables, context_lens, out, batch, heads, kv_heads, head_dim,
+                        block_size, max_blocks, scale, threads);
+}
