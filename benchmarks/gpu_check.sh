@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check: one prepared script for a CUDA machine. It installs nothing.
 #   1. the tests marked gpu            (python -m pytest -m gpu -q)
-#   2. the engine                      (benchmarks/gpu_check_engine.py)
+#   2. the engine, and vLLM where it imports (benchmarks/gpu_check_engine.py)
 #   3. the KV transports               (benchmarks/gpu_check_transfer.py)
-# Each step runs under its own time limit (about 8 minutes in all) and a failed
+# Each step runs under its own time limit (about 11 minutes in all) and a failed
 # step does not stop the next. All output goes to stdout and, when $OUT is set,
 # to $OUT/gpu_check.log. Exit status: 0 when every step passed, else 1.
 #
@@ -63,7 +63,7 @@ check() {
       step "pytest -m gpu $dir" 75 "$PY" -m pytest -m gpu -q -p no:cacheprovider --confcutdir="$dir" "$dir"
     done
   fi
-  step "engine" 240 "$PY" benchmarks/gpu_check_engine.py
+  step "engine" 420 "$PY" benchmarks/gpu_check_engine.py --vllm-timeout-s 180
   step "transfer" 90 "$PY" benchmarks/gpu_check_transfer.py
 
   echo

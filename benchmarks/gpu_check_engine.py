@@ -11,7 +11,10 @@
 2. Throughput: a random Llama of the 1B shape (hidden 2048, 16 layers, 32
    heads, 8 KV heads, intermediate 8192, vocab 128256; built from a config,
    saved as safetensors in a temp dir, loaded with our loader) at batch 1, 8,
-   32 and 128, against transformers `generate` on the same weights and GPU.
+   32 and 128, against transformers `generate` on the same weights and GPU,
+   and against vLLM's offline `LLM.generate` on the same folder where vLLM
+   imports (a child process, its memory capped by --vllm-gpu-fraction; where it
+   does not import, a line says so).
 
 The process never takes more than --max-gib of GPU memory (a cap on torch's
 allocator, and a KV pool sized within it).
@@ -22,7 +25,10 @@ allocator, and a KV pool sized within it).
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
 import shlex
+import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -163,7 +169,7 @@ def build_random_llama(dest: Path) -> RandomLlama:
 def check_throughput(args: argparse.Namespace) -> None:
     print(f"\n2. throughput: random Llama of the 1B shape, bfloat16, prompts of {args.prompt_len} tokens, "
           f"{args.max_tokens} new tokens each (greedy, no early stop), {args.repeats} rounds, median")
-    with tempfile.TemporaryDirectory(prefix="gpu-check-llama-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="gpu-check-llama-") as tmp:  # kept for vLLM at the end
         built = build_random_llama(Path(tmp))
         params = sum(p.numel() for p in built.hf_model.parameters())
         config = EngineConfig(model=str(built.folder), device="cuda", dtype="bfloat16",
@@ -171,21 +177,64 @@ def check_throughput(args: argparse.Namespace) -> None:
                               max_num_batched_tokens=args.max_batched_tokens,
                               max_model_len=args.prompt_len + args.max_tokens + 16, enable_prefix_caching=False)
         engine = LLMEngine(config, load_model(str(built.folder), torch.bfloat16, CUDA))
-    print(f"  {params / 1e9:.2f} B parameters; KV pool {engine.kv_cache.nbytes / 2**30:.1f} GiB; "
-          f"max_num_batched_tokens {args.max_batched_tokens}")
-    gen = torch.Generator().manual_seed(0)
-    # [B, prompt_len] ordinary token ids, one row per request; equal lengths, so no padding
-    prompts = torch.randint(1000, 100000, (max(args.batch_sizes), args.prompt_len), generator=gen).tolist()
-    pad_id = 0
-    warm_up(engine, built.hf_model, prompts, args.batch_sizes, args.warmup_tokens, pad_id)
-    rows = []
-    for batch in args.batch_sizes:
-        row = measure(engine, built.hf_model, prompts, batch, args.max_tokens, args.repeats, pad_id)
-        rows.append(row)
-        print(f"  batch {batch:3d}: ours {row.ours_tps:8.1f} tok/s, transformers {row.theirs_tps:8.1f} tok/s, "
-              f"{row.ratio:5.2f}x; ours TTFT {row.ttft_ms:6.0f} ms, TPOT {row.tpot_ms:6.1f} ms", flush=True)
-    print(f"  peak GPU memory allocated: {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB\n")
-    print(markdown_table(rows, {LLAMA_1B_SHAPE["eos_token_id"]}))
+        print(f"  {params / 1e9:.2f} B parameters; KV pool {engine.kv_cache.nbytes / 2**30:.1f} GiB; "
+              f"max_num_batched_tokens {args.max_batched_tokens}")
+        gen = torch.Generator().manual_seed(0)
+        # [B, prompt_len] ordinary token ids, one row per request; equal lengths, so no padding
+        prompts = torch.randint(1000, 100000, (max(args.batch_sizes), args.prompt_len), generator=gen).tolist()
+        pad_id = 0
+        warm_up(engine, built.hf_model, prompts, args.batch_sizes, args.warmup_tokens, pad_id)
+        rows = []
+        for batch in args.batch_sizes:
+            row = measure(engine, built.hf_model, prompts, batch, args.max_tokens, args.repeats, pad_id)
+            rows.append(row)
+            print(f"  batch {batch:3d}: ours {row.ours_tps:8.1f} tok/s, transformers {row.theirs_tps:8.1f} tok/s, "
+                  f"{row.ratio:5.2f}x; ours TTFT {row.ttft_ms:6.0f} ms, TPOT {row.tpot_ms:6.1f} ms", flush=True)
+        print(f"  peak GPU memory allocated: {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB\n")
+        print(markdown_table(rows, {LLAMA_1B_SHAPE["eos_token_id"]}))
+        compare_with_vllm(args, built.folder, prompts, {row.batch: row.ours_tps for row in rows})
+
+
+# vLLM in a child process: its engine takes its own share of the GPU and leaves with it.
+_VLLM_SCRIPT = """
+import json, sys, time
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+folder, prompts, batch_sizes, max_tokens, fraction = json.loads(sys.argv[1])
+llm = LLM(model=folder, dtype="bfloat16", skip_tokenizer_init=True, gpu_memory_utilization=fraction,
+          max_model_len=len(prompts[0]) + max_tokens + 16, seed=0)
+params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+for batch in batch_sizes:
+    requests = [TokensPrompt(prompt_token_ids=p) for p in prompts[:batch]]
+    llm.generate(requests, params, use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate(requests, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    print("VLLM " + json.dumps({"batch": batch, "tok_s": sum(len(o.outputs[0].token_ids) for o in outs) / seconds}))
+"""
+
+
+def compare_with_vllm(args: argparse.Namespace, folder: Path, prompts: list[list[int]],
+                      ours: dict[int, float]) -> None:
+    """vLLM's offline throughput on the same weights, prompts and batch sizes, and ours / vLLM."""
+    if importlib.util.find_spec("vllm") is None:
+        print("  vLLM: not installed for this interpreter; the comparison with it is skipped")
+        return
+    spec = json.dumps([str(folder), prompts, args.batch_sizes, args.max_tokens, args.vllm_gpu_fraction])
+    try:
+        run = subprocess.run([sys.executable, "-c", _VLLM_SCRIPT, spec], capture_output=True, text=True,
+                             timeout=args.vllm_timeout_s)
+    except subprocess.TimeoutExpired:
+        print(f"  vLLM: no result within {args.vllm_timeout_s:.0f} s")
+        return
+    results = {r["batch"]: r["tok_s"] for r in (json.loads(line[5:]) for line in run.stdout.splitlines()
+                                                 if line.startswith("VLLM "))}
+    if run.returncode != 0 or not results:
+        print(f"  vLLM: failed (exit {run.returncode}):\n{run.stderr[-3000:]}")
+        return
+    print("\n| batch | ours (tok/s) | vLLM (tok/s) | ours / vLLM |\n|---:|---:|---:|---:|")
+    for batch, theirs in sorted(results.items()):
+        print(f"| {batch} | {ours[batch]:.1f} | {theirs:.1f} | {ours[batch] / theirs:.2f}x |")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -203,6 +252,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-batched-tokens", type=int, default=8192, help="our engine's per-step token budget")
     p.add_argument("--kv-gib", type=int, default=4, help="our KV pool, GiB (default %(default)s)")
     p.add_argument("--max-gib", type=float, default=40.0, help="GPU memory cap of this process, GiB")
+    p.add_argument("--vllm-gpu-fraction", type=float, default=0.25,
+                   help="vLLM's gpu_memory_utilization, beside our capped share (default %(default)s)")
+    p.add_argument("--vllm-timeout-s", type=float, default=300.0)
     p.add_argument("--skip-accuracy", action="store_true")
     p.add_argument("--skip-throughput", action="store_true")
     args = p.parse_args(argv)

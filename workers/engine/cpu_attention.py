@@ -34,6 +34,7 @@ SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
 # -mprefer-vector-width=256: GCC's AMD Zen tuning would otherwise keep to 128-bit vectors.
 FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=256", "-fopenmp", "-shared", "-fPIC")
 SWITCH_ENV = "DISAGG_CPU_ATTENTION"  # "gather": never use the kernel
+PROFILE_LABEL = "disagg::paged_decode_cpu"
 _BUILD_TIMEOUT_S = 120.0
 _DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 # The kernel's stack buffers (csrc/paged_decode.c); other shapes take the gather path.
@@ -120,10 +121,11 @@ def paged_decode_attention(q: torch.Tensor, layer_cache: torch.Tensor, block_tab
     lens = context_lens.to(torch.int32).contiguous()
     out = torch.empty_like(query)
     function = getattr(library, f"paged_decode_{_DTYPES[layer_cache.dtype]}")
-    status = function(query.data_ptr(), layer_cache.data_ptr(),
-                      ctypes.cast(tables.data_ptr(), _i32_p), ctypes.cast(lens.data_ptr(), _i32_p),
-                      out.data_ptr(), batch, heads, kv_heads, head_dim, block_size, tables.shape[1], scale,
-                      torch.get_num_threads())
+    with torch.profiler.record_function(PROFILE_LABEL):  # named in profiles (benchmarks/profile_step.py)
+        status = function(query.data_ptr(), layer_cache.data_ptr(),
+                          ctypes.cast(tables.data_ptr(), _i32_p), ctypes.cast(lens.data_ptr(), _i32_p),
+                          out.data_ptr(), batch, heads, kv_heads, head_dim, block_size, tables.shape[1], scale,
+                          torch.get_num_threads())
     if status != 0:
         raise ValueError(f"paged decode kernel refused its arguments (code {status}): heads {heads}, "
                          f"kv heads {kv_heads}, head dim {head_dim}, block size {block_size}")

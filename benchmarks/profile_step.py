@@ -1,0 +1,120 @@
+"""Where one decode step of the engine goes, by kind of work (a script, not a test).
+
+For each batch size: that many requests of random prompts are prefilled, a few
+decode steps warm up, then the torch profiler records `--steps` decode steps of
+`LLMEngine.step` (what a worker runs) and the script prints the milliseconds
+per step spent in each kind of op, with the median wall time of unprofiled
+steps beside them. "Python and framework" is the wall time the ops do not
+cover: the model's Python, dispatch, scheduling and sampling bookkeeping.
+
+Run it once per decode-attention path to compare them on the same machine:
+
+    .venv/bin/python benchmarks/profile_step.py                        # the paged kernel where it builds
+    DISAGG_CPU_ATTENTION=gather .venv/bin/python benchmarks/profile_step.py   # the gather path (before)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from disagg.workers.engine import cpu_attention
+from disagg.workers.engine.config import EngineConfig
+from disagg.workers.engine.llm_engine import LLMEngine
+from disagg.workers.engine.sampling_params import SamplingParams
+
+# Ops by kind, by the names the profiler gives them; anything else is "elementwise and glue".
+KINDS = {
+    "projections (matmuls)": {"mkldnn::_linear_pointwise", "aten::addmm", "aten::mm", "aten::bmm"},
+    "attention: paged C kernel": {cpu_attention.PROFILE_LABEL},
+    "attention: gather + SDPA": {"aten::_scaled_dot_product_flash_attention_for_cpu", "aten::index_select",
+                                 "aten::_scaled_dot_product_attention_math"},
+    "KV writes": {"aten::index_copy_"},
+}
+OTHER = "elementwise and glue (norms, RoPE, SiLU, adds, copies)"
+PYTHON = "Python and framework (not in an op)"
+
+
+def kind_of(op_name: str) -> str:
+    return next((kind for kind, names in KINDS.items() if op_name in names), OTHER)
+
+
+def build_engine(model: str, dtype: str, batch: int, context: int) -> LLMEngine:
+    block_size = 16
+    blocks = batch * (-(-context // block_size) + 1)
+    config = EngineConfig(model=model, device="cpu", dtype=dtype, block_size=block_size, num_kv_blocks=blocks,
+                          max_num_seqs=batch, max_model_len=context + 1, enable_prefix_caching=False)
+    return LLMEngine.from_config(config)
+
+
+def profile_batch(engine: LLMEngine, batch: int, prompt_tokens: int, steps: int) -> tuple[float, dict[str, float]]:
+    """(median wall ms of a decode step, ms per step by kind) for `batch` running requests."""
+    rng = random.Random(batch)
+    params = SamplingParams(temperature=0.0, max_tokens=2 * steps + 10, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"profile-{batch}-{i}", [rng.randrange(1000, 40000) for _ in range(prompt_tokens)], params)
+    while engine.num_waiting or any(r.num_computed_tokens < prompt_tokens for r in engine.scheduler.running):
+        engine.step()  # prefill
+    for _ in range(3):
+        engine.step()
+    walls = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        walls.append((time.perf_counter() - start) * 1000)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            engine.step()
+    by_kind: dict[str, float] = defaultdict(float)
+    for event in prof.key_averages():
+        by_kind[kind_of(event.key)] += event.self_cpu_time_total / 1000 / steps
+    wall = statistics.median(walls)
+    by_kind[PYTHON] = max(0.0, wall - sum(by_kind.values()))
+    while engine.has_unfinished_requests:
+        engine.step()
+    return wall, dict(by_kind)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="builtin:smollm2-135m")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--prompt-tokens", type=int, default=320, help="context of each request (default: 320, "
+                   "mid-way through the peers benchmark's 256 in + 128 out)")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    path = "the paged C kernel" if cpu_attention.is_available() else "the gather path"
+    print(f"command: {' '.join(sys.orig_argv)}")
+    print(f"{args.model}, {args.dtype}, {torch.get_num_threads()} threads, decode attention: {path}; "
+          f"load average {' / '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    engine = build_engine(args.model, args.dtype, max(args.batch_sizes), args.prompt_tokens + 2 * args.steps + 20)
+    rows = [(batch, *profile_batch(engine, batch, args.prompt_tokens, args.steps)) for batch in args.batch_sizes]
+    kinds = [*KINDS, OTHER, PYTHON]
+    print("\n| ms per decode step | " + " | ".join(f"batch {b}" for b, _, _ in rows) + " |")
+    print("|---|" + "---:|" * len(rows))
+    print("| **wall (median)** | " + " | ".join(f"**{wall:.1f}**" for _, wall, _ in rows) + " |")
+    for kind in kinds:
+        if any(split.get(kind, 0.0) >= 0.05 for _, _, split in rows):
+            print(f"| {kind} | " + " | ".join(f"{split.get(kind, 0.0):.1f}" for _, _, split in rows) + " |")
+    print(f"load average after: {' / '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
