@@ -7,10 +7,11 @@ per step spent in each kind of op, with the median wall time of unprofiled
 steps beside them. "Python and framework" is the wall time the ops do not
 cover: the model's Python, dispatch, scheduling and sampling bookkeeping.
 
-Run it once per decode-attention path to compare them on the same machine:
+Run it with and without the C kernels to compare them on the same machine:
 
-    .venv/bin/python benchmarks/profile_step.py                        # the paged kernel where it builds
-    DISAGG_CPU_ATTENTION=gather .venv/bin/python benchmarks/profile_step.py   # the gather path (before)
+    .venv/bin/python benchmarks/profile_step.py                           # the C kernels where they build
+    DISAGG_CPU_KERNELS=off .venv/bin/python benchmarks/profile_step.py    # PyTorch ops only (before)
+    DISAGG_CPU_ATTENTION=gather .venv/bin/python benchmarks/profile_step.py   # 4-bit projections only
 """
 
 from __future__ import annotations
@@ -30,11 +31,13 @@ from torch.profiler import ProfilerActivity, profile
 from disagg.workers.engine import cpu_attention
 from disagg.workers.engine.config import EngineConfig
 from disagg.workers.engine.llm_engine import LLMEngine
+from disagg.workers.engine.models import q4
 from disagg.workers.engine.sampling_params import SamplingParams
 
 # Ops by kind, by the names the profiler gives them; anything else is "elementwise and glue".
 KINDS = {
-    "projections (matmuls)": {"mkldnn::_linear_pointwise", "aten::addmm", "aten::mm", "aten::bmm"},
+    "projections: float32 (oneDNN)": {"mkldnn::_linear_pointwise", "aten::addmm", "aten::mm", "aten::bmm"},
+    "projections: 4-bit codes (C kernel)": {q4.PROFILE_LABEL},
     "attention: paged C kernel": {cpu_attention.PROFILE_LABEL},
     "attention: gather + SDPA": {"aten::_scaled_dot_product_flash_attention_for_cpu", "aten::index_select",
                                  "aten::_scaled_dot_product_attention_math"},
@@ -100,6 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     path = "the paged C kernel" if cpu_attention.is_available() else "the gather path"
+    path += "; 4-bit projections where weights sit on the grid" if q4.is_available() else "; float32 projections"
     print(f"command: {' '.join(sys.orig_argv)}")
     print(f"{args.model}, {args.dtype}, {torch.get_num_threads()} threads, decode attention: {path}; "
           f"load average {' / '.join(f'{x:.2f}' for x in os.getloadavg())}")

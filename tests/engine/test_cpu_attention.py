@@ -91,11 +91,11 @@ def test_the_engine_picks_the_kernel_for_shapes_it_takes() -> None:
 
 def test_the_switch_turns_the_kernel_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(cpu_attention.SWITCH_ENV, "gather")
-    cpu_attention._library.cache_clear()
+    cpu_attention._kernels.cache_clear()
     try:
         assert not cpu_attention.is_available()
         assert decode_kernel(torch.zeros(2, 4, 2, 16, KV_HEADS, 64), num_heads=KV_HEADS) is None
     finally:
         monkeypatch.undo()
-        cpu_attention._library.cache_clear()
+        cpu_attention._kernels.cache_clear()
     assert cpu_attention.is_available()

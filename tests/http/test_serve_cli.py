@@ -156,12 +156,12 @@ def test_threads_reach_torch(served: Any, worker_launcher: Any, tiny_model_dir: 
         assert "compute threads: 3 (inter-op: 1)" in worker.log()
 
 
-def test_a_local_pair_splits_the_cpus(monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_each_worker_of_a_local_pair_takes_every_cpu(monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Path,
+                                                      tmp_path: Path) -> None:
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    share = max(1, usable_cpus() // 2)
     with running_pair(str(tiny_model_dir), tmp_path, ["--device", "cpu"], 180.0) as workers:
         for worker in workers:
-            assert f"compute threads: {share} (inter-op: 1)" in worker.log(), worker.log()[-2000:]
+            assert f"compute threads: {usable_cpus()} (inter-op: 1)" in worker.log(), worker.log()[-2000:]
 
 
 class _Cycle:
