@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from disagg.workers.engine.attention import AttentionMetadata, paged_attention
+from disagg.workers.engine.attention import AttentionMetadata, DecodeKernel, build_metadata, paged_attention
 from disagg.workers.engine.forward_batch import ForwardBatch
 
 SCALE = 0.125
@@ -47,3 +47,17 @@ def attend(q: torch.Tensor, kv: torch.Tensor, layer_cache: torch.Tensor, meta: A
 def random_q(num_tokens: int, group: int, head_dim: int, dtype: torch.dtype, device: str) -> torch.Tensor:
     gen = torch.Generator().manual_seed(2)
     return torch.randn(num_tokens, KV_HEADS * group, head_dim, generator=gen).to(device=device, dtype=dtype)
+
+
+def mixed_step_through(kernel: DecodeKernel, paged_cache: type) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode rows among a prefill's rows in one step: (attention with `kernel`, with the gather path)."""
+    block_size, group, head_dim, prefill_len = 4, 3, 32, 6
+    lens = [3, 4, 9]
+    layer_cache, batch = decode_step(paged_cache, lens, block_size=block_size, head_dim=head_dim,
+                                     dtype=torch.float32, device="cpu", prefill_len=prefill_len)
+    num_tokens = len(lens) + prefill_len
+    q = random_q(num_tokens, group, head_dim, torch.float32, "cpu")
+    kv = torch.randn(num_tokens, KV_HEADS, head_dim, generator=torch.Generator().manual_seed(3))
+    kernel_meta = build_metadata(batch, block_size, kernel=kernel)
+    assert kernel_meta.decode is not None and kernel_meta.decode.token_rows is not None
+    return attend(q, kv, layer_cache, kernel_meta), attend(q, kv, layer_cache, build_metadata(batch, block_size))

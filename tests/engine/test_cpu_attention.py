@@ -11,7 +11,9 @@ import torch
 
 from disagg.workers.engine import cpu_attention
 from disagg.workers.engine.attention import build_metadata, decode_kernel
-from tests.engine.decode_steps import KV_HEADS, SCALE, attend, context_lens_for, decode_step, random_q
+from tests.engine.decode_steps import (
+    KV_HEADS, attend, context_lens_for, decode_step, mixed_step_through, random_q,
+)
 
 pytestmark = pytest.mark.skipif(not cpu_attention.is_available(), reason="no C compiler to build the CPU kernel")
 kernel = cpu_attention.paged_decode_attention
@@ -52,17 +54,7 @@ def test_kernel_reads_a_bf16_cache(paged_cache: type) -> None:
 
 
 def test_kernel_output_lands_in_the_decode_rows_of_a_mixed_step(paged_cache: type) -> None:
-    block_size, group, head_dim, prefill_len = 4, 3, 32, 6
-    lens = [3, 4, 9]
-    layer_cache, batch = decode_step(paged_cache, lens, block_size=block_size, head_dim=head_dim,
-                                     dtype=torch.float32, device="cpu", prefill_len=prefill_len)
-    num_tokens = len(lens) + prefill_len
-    q = random_q(num_tokens, group, head_dim, torch.float32, "cpu")
-    kv = torch.randn(num_tokens, KV_HEADS, head_dim, generator=torch.Generator().manual_seed(3))
-    kernel_meta = build_metadata(batch, block_size, kernel=kernel)
-    assert kernel_meta.decode is not None and kernel_meta.decode.token_rows is not None
-    got = attend(q, kv, layer_cache, kernel_meta)
-    want = attend(q, kv, layer_cache, build_metadata(batch, block_size))
+    got, want = mixed_step_through(kernel, paged_cache)
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
 
 

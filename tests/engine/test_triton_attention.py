@@ -22,7 +22,9 @@ import pytest
 import torch
 
 from disagg.workers.engine.attention import build_metadata, decode_kernel
-from tests.engine.decode_steps import KV_HEADS, SCALE, attend, context_lens_for, decode_step, random_q
+from tests.engine.decode_steps import (
+    KV_HEADS, SCALE, attend, context_lens_for, decode_step, mixed_step_through, random_q,
+)
 
 pytest.importorskip("triton")
 from disagg.workers.engine.triton_attention import paged_decode_attention  # noqa: E402 (after the skip)
@@ -93,17 +95,7 @@ def test_interp_half_precision(paged_cache: type, dtype: torch.dtype, atol: floa
 @interpreted
 def test_interp_mixed_step(paged_cache: type) -> None:
     """Decode rows among a prefill's rows: the kernel's output lands in the decode rows only."""
-    block_size, group, head_dim, prefill_len = 4, 3, 32, 6
-    lens = [3, 4, 9]
-    layer_cache, batch = decode_step(paged_cache, lens, block_size=block_size, head_dim=head_dim,
-                                     dtype=torch.float32, device="cpu", prefill_len=prefill_len)
-    num_tokens = len(lens) + prefill_len
-    q = random_q(num_tokens, group, head_dim, torch.float32, "cpu")
-    kv = torch.randn(num_tokens, KV_HEADS, head_dim, generator=torch.Generator().manual_seed(3))
-    kernel_meta = build_metadata(batch, block_size, kernel=paged_decode_attention)
-    assert kernel_meta.decode is not None and kernel_meta.decode.token_rows is not None
-    got = attend(q, kv, layer_cache, kernel_meta)
-    want = attend(q, kv, layer_cache, build_metadata(batch, block_size))
+    got, want = mixed_step_through(paged_decode_attention, paged_cache)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 

@@ -81,6 +81,7 @@ def test_wheel_holds_and_imports_every_module(tmp_path: Path) -> None:
     assert not missing, f"absent from the wheel: {sorted(missing)}"
     assert (site / "disagg" / "proto" / "disagg_pd.proto").exists()
     assert (site / "disagg" / "workers" / "engine" / "csrc" / "paged_decode.c").exists()
+    assert (site / "disagg" / "workers" / "engine" / "csrc" / "vector.h").exists()
     # Import each module from the unpacked wheel alone (isolated mode: neither
     # the repository nor the editable install is on the path).
     modules = sorted(m for m in source_modules() if not m.endswith("__main__"))

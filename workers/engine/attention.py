@@ -74,10 +74,7 @@ def decode_kernel(kv_cache: torch.Tensor, num_heads: int) -> DecodeKernel | None
     """The kernel that serves decode attention over this cache, or None for the padded gather."""
     if kv_cache.device.type == "cuda":
         return triton_attention.paged_decode_attention if triton_attention.is_available() else None
-    num_kv_heads, head_dim = kv_cache.shape[-2:]
-    block_size = kv_cache.shape[-3]
-    return cpu_attention.paged_decode_attention \
-        if cpu_attention.supports(kv_cache, num_heads, num_kv_heads, head_dim, block_size) else None
+    return cpu_attention.paged_decode_attention if cpu_attention.supports(kv_cache, num_heads) else None
 
 
 def build_metadata(batch: ForwardBatch, block_size: int, kernel: DecodeKernel | None = None) -> AttentionMetadata:

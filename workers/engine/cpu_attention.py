@@ -42,8 +42,10 @@ def is_available() -> bool:
     return _kernels() is not None
 
 
-def supports(cache: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> bool:
-    """Whether the kernel serves attention over `cache` (a layer's or the whole model's) with these shapes."""
+def supports(cache: torch.Tensor, num_heads: int) -> bool:
+    """Whether the kernel serves attention of `num_heads` query heads over `cache`, a
+    layer's [num_blocks, 2, block_size, kvh, hd] or the whole model's (a layer dimension first)."""
+    block_size, num_kv_heads, head_dim = cache.shape[-3:]
     shapes_fit = num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= MAX_GROUP \
         and head_dim <= MAX_HEAD_DIM and block_size <= MAX_BLOCK
     return cache.device.type == "cpu" and cache.dtype in _DTYPES and shapes_fit and is_available()

@@ -26,7 +26,9 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(sorted((Path(__file__).with_name("csrc")).glob("*.c")))
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = tuple(sorted(CSRC.glob("*.c")))
+HEADERS = tuple(sorted(CSRC.glob("*.h")))  # in the cache key, not on the command line
 # -mprefer-vector-width=256: GCC's AMD Zen tuning would otherwise keep to 128-bit vectors.
 # -ffp-contract=off: a dequantised weight is d * q + m with two roundings, as the loader made it.
 FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=256", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
@@ -43,7 +45,8 @@ def kernel_dir() -> Path:
 
 def _build(compiler: str, out_dir: Path) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([*(s.read_text() for s in SOURCES), *FLAGS, version]).encode()).hexdigest()
+    texts = [path.read_text() for path in (*SOURCES, *HEADERS)]
+    key = hashlib.sha256("\0".join([*texts, *FLAGS, version]).encode()).hexdigest()
     target = out_dir / f"disagg-cpu-{key[:16]}.so"
     if target.exists():
         return target

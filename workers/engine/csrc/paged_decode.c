@@ -17,6 +17,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "vector.h"
+
 #define MAX_GROUP 32      /* query heads per KV head */
 #define MAX_ROWS 64       /* query heads per task (a task per sequence needs heads <= this) */
 #define MAX_HEAD_DIM 256
@@ -41,32 +43,9 @@ static inline float exp_nonpositive(float x) {
     return p * two_to_n.f * (float)(x >= -87.0f);
 }
 
-static inline float bf16_to_float(uint16_t h) {
-    union { uint32_t u; float f; } v = { .u = (uint32_t)h << 16 };
-    return v.f;
-}
-
 /* q . k and acc += p * v over one cache row (float32 or bfloat16): with AVX2,
  * eight lanes at a time (GCC leaves these loops scalar once inlined into the
  * block walk), the rest one by one. */
-#ifdef __AVX2__
-#include <immintrin.h>
-
-static inline float horizontal_sum(__m256 v) {
-    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-    x = _mm_add_ss(x, _mm_movehdup_ps(x));
-    return _mm_cvtss_f32(x);
-}
-
-static inline __m256 load8_bf16(const uint16_t *p) {
-    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-#define VECTOR_LANES 8
-#else
-#define VECTOR_LANES 0
-#endif
 
 /* Each loop below keeps several independent accumulators: a single one makes
  * every FMA wait for the previous one's result (4 to 5 cycles), which made the

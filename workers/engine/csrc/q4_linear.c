@@ -13,19 +13,12 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "vector.h"
+
 #define GROUP 32
 #define ROWS 4  /* rows of x per pass over a weight row: each group is dequantised once for them */
 
-#ifdef __AVX2__
-#include <immintrin.h>
-
-static inline float horizontal_sum(__m256 v) {
-    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-    x = _mm_add_ss(x, _mm_movehdup_ps(x));
-    return _mm_cvtss_f32(x);
-}
-
+#if VECTOR_LANES
 /* The 32 weights of one group, as four vectors of eight. */
 static inline void dequantise(const uint8_t *codes, const float *dm, __m256 w[4]) {
     const __m128i packed = _mm_loadu_si128((const __m128i *)codes);
