@@ -31,13 +31,13 @@ from torch.profiler import ProfilerActivity, profile
 from disagg.workers.engine import cpu_attention
 from disagg.workers.engine.config import EngineConfig
 from disagg.workers.engine.llm_engine import LLMEngine
-from disagg.workers.engine.models import q4
+from disagg.workers.engine.models import grids
 from disagg.workers.engine.sampling_params import SamplingParams
 
 # Ops by kind, by the names the profiler gives them; anything else is "elementwise and glue".
 KINDS = {
     "projections: float32 (oneDNN)": {"mkldnn::_linear_pointwise", "aten::addmm", "aten::mm", "aten::bmm"},
-    "projections: 4-bit codes (C kernel)": {q4.PROFILE_LABEL},
+    "projections: grid codes (C kernel)": {grids.PROFILE_LABEL},
     "attention: paged C kernel": {cpu_attention.PROFILE_LABEL},
     "attention: gather + SDPA": {"aten::_scaled_dot_product_flash_attention_for_cpu", "aten::index_select",
                                  "aten::_scaled_dot_product_attention_math"},
@@ -103,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     path = "the paged C kernel" if cpu_attention.is_available() else "the gather path"
-    path += "; 4-bit projections where weights sit on the grid" if q4.is_available() else "; float32 projections"
+    path += "; projections from grid codes where weights sit on one" if grids.is_available() else "; float32 projections"
     print(f"command: {' '.join(sys.orig_argv)}")
     print(f"{args.model}, {args.dtype}, {torch.get_num_threads()} threads, decode attention: {path}; "
           f"load average {' / '.join(f'{x:.2f}' for x in os.getloadavg())}")

@@ -64,7 +64,7 @@ def paged_decode_attention(q: torch.Tensor, layer_cache: torch.Tensor, block_tab
     tables = block_tables.to(torch.int32).contiguous()
     lens = context_lens.to(torch.int32).contiguous()
     out = torch.empty_like(query)
-    with torch.profiler.record_function(PROFILE_LABEL):  # named in profiles (benchmarks/profile_step.py)
+    with cpu_kernels.profiled(PROFILE_LABEL):
         status = kernels[layer_cache.dtype](
             query.data_ptr(), layer_cache.data_ptr(), ctypes.cast(tables.data_ptr(), _i32_p),
             ctypes.cast(lens.data_ptr(), _i32_p), out.data_ptr(), batch, heads, kv_heads, head_dim, block_size,

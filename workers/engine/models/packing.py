@@ -16,11 +16,12 @@ import functools
 import torch
 from torch import nn
 
-from disagg.workers.engine.models import q4
+from disagg.workers.engine.models import grids
 
-# Steps of at most this many rows read a weight on a 4-bit grid from its codes
-# (models/q4.py); bigger ones are bound by arithmetic, where oneDNN is faster.
-Q4_MAX_ROWS = 8
+# Steps of at most this many rows read a weight on a quantisation grid from its
+# codes (models/grids.py); bigger ones are bound by arithmetic, where oneDNN is
+# faster (benchmarks/bench_grid_rows.py measures where).
+GRID_MAX_ROWS = {grids.GridFormat.Q4_1: 8, grids.GridFormat.Q8_0: 8}
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -44,7 +45,7 @@ def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 class PackedLinear(nn.Module):
     """y = x @ weight.T + bias, with the weight held in oneDNN's blocked layout, and
-    as 4-bit codes too when it sits exactly on a 4-bit grid (models/q4.py)."""
+    as codes too when it sits exactly on a quantisation grid (models/grids.py)."""
 
     packed_weight: torch.Tensor
     bias: torch.Tensor | None
@@ -57,16 +58,16 @@ class PackedLinear(nn.Module):
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
         self.register_buffer("packed_weight", packed, persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
-        self.q4 = q4.q4_grid(weight) if q4.is_available() else None
+        self.grid = grids.find_grid(weight) if grids.is_available() else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.q4 is not None and x.shape[0] <= Q4_MAX_ROWS and x.dtype == torch.float32:
-            return q4.q4_linear(x, self.q4, self.bias)
+        if self.grid is not None and x.shape[0] <= GRID_MAX_ROWS[self.grid.format] and x.dtype == torch.float32:
+            return grids.grid_linear(x, self.grid, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"q4={self.q4 is not None}")
+                f"grid={self.grid.format.name if self.grid else None}")
 
 
 def pack_linear_weights(model: nn.Module) -> int:
