@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from disagg.workers.engine.model_config import ACTIVATIONS, ModelConfig, RopeScaling
+from disagg.workers.engine.models import cpu_norm
 
 
 class RMSNorm(nn.Module):
@@ -18,8 +19,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # One fused kernel (it accumulates in fp32); in fp32 this equals the
-        # reference models, in bf16/fp16 it may differ by the last rounding.
+        # In fp32 both equal the reference models up to the summation order; in
+        # bf16/fp16 F.rms_norm accumulates in fp32 and may differ by the last rounding.
+        if cpu_norm.serves(x, self.weight):
+            return cpu_norm.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
