@@ -4,6 +4,7 @@ links, faults and bad RPCs."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -212,3 +213,32 @@ async def test_each_role_serves_only_its_own_rpcs(pd_pair: Callable[..., Any]) -
         finally:
             await channel.close()
             await decode_channel.close()
+
+
+@pytest.mark.parametrize("mode", ["PUSH", "PULL"])
+async def test_the_hand_off_does_not_wait_for_the_prefill_engine(pd_pair: Callable[..., Any], mode: str,
+                                                                 reference_tokens: Callable[..., list[int]]) -> None:
+    """Once a prompt's first token is out, the decode takes over even while the prefill's
+    engine is busy with its next step (engine calls wait for a step's end: under load, a
+    whole prefill of other prompts)."""
+    async with pd_pair(mode) as pair:
+        engine = pair.prefill.role._engine
+        gate = threading.Event()
+        busy: asyncio.Future[bool] | None = None
+        tokens: list[int] = []
+
+        async def stream() -> None:
+            nonlocal busy
+            async for out in pair.prefill.role.generate("r", prompt_of(9), GREEDY):
+                tokens.extend(out.new_token_ids)
+                if busy is None:  # the first token: hold the prefill's engine thread from now on
+                    busy = asyncio.ensure_future(engine.call(lambda e: gate.wait(30)))
+
+        try:
+            await asyncio.wait_for(stream(), 20)
+            assert not gate.is_set()
+            assert tokens == reference_tokens(prompt_of(9), GREEDY), "every token came while the engine was held"
+        finally:
+            gate.set()
+        assert busy is not None and await busy
+        await wait_for(lambda: free_blocks(pair) == (NUM_KV_BLOCKS, NUM_KV_BLOCKS), "every block is free")

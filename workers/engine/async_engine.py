@@ -201,10 +201,6 @@ class AsyncEngine(Generic[E]):
         """Free the blocks of a held request; False when none holds them."""
         return await self.call(lambda e: e.release_request(request_id))
 
-    async def block_ids(self, request_id: str) -> list[int]:
-        """The blocks of a live request (a held one's, to be read by another worker)."""
-        return await self.call(lambda e: e.block_ids(request_id))
-
     def set_layer_hook(self, hook: LayerHook) -> None:
         """Install the per-step layer hook; before `start`, as the engine thread reads it."""
         assert not self._thread.is_alive(), "the layer hook is set before the engine starts"

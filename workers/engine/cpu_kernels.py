@@ -83,7 +83,7 @@ def library() -> ctypes.CDLL | None:
     return loaded
 
 
-def function(name: str, argtypes: list[type], restype: type = ctypes.c_int) -> Kernel | None:
+def function(name: str, argtypes: list[type], restype: type | None = ctypes.c_int) -> Kernel | None:
     """One kernel of the library with its C signature, or None without the library."""
     loaded = library()
     if loaded is None:

@@ -319,6 +319,7 @@ class LLMEngine:
             prompt_logprobs=prompt_logprobs,
             stop_reason=request.stop_reason,
             handed_off=handed_off,
+            held_block_ids=tuple(request.block_table) if handed_off else (),
             scheduled_at=request.first_scheduled_at,
         )
 

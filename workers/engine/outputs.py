@@ -47,5 +47,6 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     stop_reason: int | str | None = field(default=None)  # the stop token id or string that matched
     handed_off: bool = False
+    held_block_ids: tuple[int, ...] = ()  # with handed_off: the held blocks, in token order
     served_by: str | None = None  # which workers served it, when not one engine alone (PD: usage.served_by)
     scheduled_at: float | None = None  # time.monotonic() when the engine first scheduled it (its queue wait's end)

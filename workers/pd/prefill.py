@@ -325,15 +325,16 @@ class PrefillRole(EngineHealth["AsyncEngine[LLMEngine]"]):
         ttft = time.monotonic() - call.arrival
         token_id = hand_off.new_token_ids[0]
         logprob = hand_off.new_logprobs[0] if hand_off.new_logprobs else None
+        # NOTE: nothing here waits on the engine (its calls run between steps, and the
+        # next step may be a long prefill): the held blocks are released after the
+        # hand-off (_run), and the hand-off output names them.
         if push:
             nbytes, seconds = await self.pusher.wait(call.req_id)
             self.costs.observe_transfer(nbytes, seconds)
-            await self._release(call)
             return FirstToken(call.req_id, token_id, logprob, TransferMode.PUSH, ttft)
-        blocks = await self._engine.block_ids(call.req_id)
+        blocks = hand_off.held_block_ids
         self._transport.access.allow(route.decode, call.req_id, blocks, Access.READ)  # its pull, until released
-        return FirstToken(call.req_id, token_id, logprob, TransferMode.PULL, ttft, self._transfer_address,
-                          tuple(blocks))
+        return FirstToken(call.req_id, token_id, logprob, TransferMode.PULL, ttft, self._transfer_address, blocks)
 
     async def _release(self, call: _Call) -> None:
         """Free the prompt blocks the engine held after the hand-off."""

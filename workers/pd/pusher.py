@@ -32,7 +32,6 @@ class _Target:
     session: TransferSession
     dst_blocks: list[int]
     skip: int  # leading blocks the decode already holds
-    started: float = field(default_factory=time.monotonic)
     handles: list[TransferHandle] = field(default_factory=list)
     error: str | None = None
 
@@ -50,7 +49,9 @@ class KVPusher:
 
     async def wait(self, req_id: str) -> tuple[int, float]:
         """After the hand-off: wait until every pushed byte is stored and checked; the bytes and
-        the seconds since the request was added. Raises DecodeFailed when a push failed."""
+        the seconds from the first push (not from `add`: the request may have queued for the
+        engine meanwhile, and the cost model reads a link's rate from these). Raises
+        DecodeFailed when a push failed."""
         target = self._targets.pop(req_id)
         if target.error is not None:
             raise DecodeFailed(f"pushing the KV of {req_id} failed: {target.error}")
@@ -59,15 +60,16 @@ class KVPusher:
         except TransferError as exc:
             raise DecodeFailed(f"pushing the KV of {req_id} failed: {exc}") from exc
         nbytes = sum(h.nbytes for h in target.handles)
-        seconds = time.monotonic() - target.started
-        self._metrics.observe_kv_transfer("sent", target.decode, nbytes, seconds)
-        self._trace(target, nbytes, target.started + seconds)
-        return nbytes, seconds
+        ended = time.monotonic()
+        began = target.handles[0].started_at if target.handles else ended
+        self._metrics.observe_kv_transfer("sent", target.decode, nbytes, ended - began)
+        self._trace(target, nbytes, began, ended)
+        return nbytes, ended - began
 
     @staticmethod
-    def _trace(target: _Target, nbytes: int, ended: float) -> None:
+    def _trace(target: _Target, nbytes: int, began: float, ended: float) -> None:
         """The request's transfer as a span, with one child per layer pushed (when tracing is on)."""
-        whole = tracing.record("kv_transfer", target.started, ended, {
+        whole = tracing.record("kv_transfer", began, ended, {
             tracing.KV_MODE: "PUSH", tracing.PEER: target.decode, tracing.KV_BYTES: nbytes,
             tracing.KV_BLOCKS: len(target.dst_blocks) - target.skip, tracing.KV_CACHED_BLOCKS: target.skip})
         if whole is None:
