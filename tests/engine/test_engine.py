@@ -415,7 +415,8 @@ def test_hand_off_then_admit_elsewhere_equals_one_engine(make_engine: MakeEngine
     [hand_off] = outputs
     assert hand_off.finished and hand_off.handed_off and hand_off.finish_reason is None
     assert hand_off.new_token_ids == expected[:1]
-    src = prefill.block_ids("r")  # held: the blocks stay until released
+    src = list(hand_off.held_block_ids)  # held: the blocks stay until released
+    assert len(src) == -(-len(prompt) // prefill.config.block_size)
     prefill.check_integrity()
     dst = decode.reserve_request("r", prompt, params)
     assert len(dst) == len(src) and not decode.has_unfinished_requests

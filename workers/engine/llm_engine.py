@@ -206,13 +206,6 @@ class LLMEngine:
         self.scheduler.release(request)
         return True
 
-    def block_ids(self, request_id: str) -> list[int]:
-        """The blocks of a live request, in token order."""
-        request = self.scheduler.requests.get(request_id)
-        if request is None:
-            raise ValueError(f"no live request {request_id!r}")
-        return list(request.block_table)
-
     def _check_unused(self, request_id: str) -> None:
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
