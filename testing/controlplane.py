@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ipaddress
 import shutil
-import socket
 import ssl
 import tempfile
 import time
@@ -35,6 +34,7 @@ from disagg.testing.pki import (
     write_token_file,
 )
 from disagg.testing.processes import ManagedProcess
+from disagg.workers.local import free_port
 
 HOST = "127.0.0.1"
 ADMIN_USER = "disagg-admin"  # in system:masters
@@ -60,13 +60,6 @@ HPA_DOWNSCALE_STABILIZATION = "10s"
 
 class ControlPlaneError(RuntimeError):
     """A component did not come up; the message carries its log tail."""
-
-
-def free_port(host: str = HOST) -> int:
-    """A port that was free a moment ago (the caller binds it soon after)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,8 @@ from kubernetes.client.exceptions import ApiException
 
 from disagg.testing.binaries import REPO_ROOT, BinariesError, run_build_script
 from disagg.testing.cluster import wait_until
-from disagg.testing.controlplane import HOST, free_port, wait_http
+from disagg.testing.controlplane import HOST, wait_http
+from disagg.workers.local import free_port
 from disagg.testing.kubectl import install_crd
 from disagg.testing.lifecycle import StartStop
 from disagg.testing.pki import write_tls_folder

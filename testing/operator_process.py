@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from disagg.testing.controlplane import free_port
+from disagg.workers.local import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 STOP_S = 20.0

@@ -26,11 +26,22 @@ from disagg.workers.security.tls import TlsFiles
 LOOPBACK = "127.0.0.1"
 
 
+_FREE_PORT_TRIES = 100
+_handed_out: set[int] = set()  # every port free_port gave this process
+
+
 def free_port(host: str = LOOPBACK) -> int:
-    """A TCP port free on `host` now (another process may take it before we bind it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A TCP port free on `host` now (another process may take it before we bind it),
+    never one it gave this process before: callers take several in a row before
+    binding any, and the kernel may offer a port it just handed out again."""
+    for _ in range(_FREE_PORT_TRIES):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+    raise OSError(f"no port on {host} that this process was not given already, in {_FREE_PORT_TRIES} tries")
 
 
 class WorkerFailed(RuntimeError):

@@ -37,7 +37,7 @@ from disagg.operator.reconcile import pod_view
 from disagg.operator.settings import OperatorSettings
 from disagg.proto import disagg_pd_pb2, disagg_pd_pb2_grpc
 from disagg.testing.cluster import LocalCluster, wait_until
-from disagg.testing.controlplane import free_port
+from disagg.workers.local import free_port
 from disagg.testing.kubelet import HOSTNAME_LABEL, LocalKubelet
 from disagg.testing.operator_process import OperatorProcess, sample
 from disagg.testing.rest import Obj

@@ -57,3 +57,10 @@ def test_operator_subcommand_has_its_options() -> None:
     result = subprocess.run([*DISAGG, "operator", "--help"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0
     assert "--namespace" in result.stdout
+
+
+def test_free_port_never_gives_a_port_twice() -> None:
+    """Callers take several ports in a row before binding any (a worker takes four):
+    the kernel may offer a just-closed port again, free_port does not."""
+    ports = [free_port() for _ in range(200)]
+    assert len(set(ports)) == len(ports)

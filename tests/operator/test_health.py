@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from disagg.operator.health import model_loaded
-from disagg.testing.controlplane import free_port
+from disagg.workers.local import free_port
 from disagg.workers.http.app import AppState, build_app
 from disagg.workers.metrics import WorkerMetrics
 
