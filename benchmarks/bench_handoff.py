@@ -22,12 +22,11 @@ import time
 from pathlib import Path
 
 import httpx
+from bench_pd import SERVED, STARTUP_S
 
 from disagg.workers.demo import running_pair
 
-SERVED = "bench"
 PROMPT_TOKENS = 256
-STARTUP_S = 180.0
 REQUEST_TIMEOUT_S = 600.0
 
 
