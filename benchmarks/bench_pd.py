@@ -11,9 +11,11 @@ processes on loopback (a script, not a test).
    at concurrency 1, 8 and 32, rounds alternating which goes first, with the
    PD/mixed ratios.
 
-The mixed worker gets the machine's usable CPUs as compute threads and the
-prefill and the decode half each, as `disagg demo` gives them: the three are
-driven one role at a time, so neither side oversubscribes the cores.
+The mixed worker, the prefill and the decode each get the machine's usable
+CPUs as compute threads, as `disagg demo` gives them, and the prefill and the
+decode take turns on them (`--cpu-turn-dir`; `--no-cpu-turns` runs them
+without): the roles are driven one at a time, so the mixed worker idles while
+the pair serves.
 
     .venv/bin/python benchmarks/bench_pd.py [--model builtin:smollm2-135m] [--quick] [--load]
 """
@@ -37,6 +39,7 @@ import httpx
 
 from disagg.workers.config import default_threads
 from disagg.workers.local import WorkerFailed, WorkerProcess, link, spawn_worker
+from disagg.workers.pd.cpu_turns import DEFAULT_DECODE_WAIT_S
 
 STARTUP_S = 900.0
 SERVED = "bench"
@@ -130,8 +133,9 @@ def start_workers(model: str, log_dir: Path, args: argparse.Namespace,
     """A linked prefill and decode, and a mixed worker; each appended to `started` as it starts."""
     extra = ["--served-model-name", SERVED, "--max-model-len", "2048"]
     env = dict(kv.split("=", 1) for kv in args.worker_env)
-    for role, threads, more in (("decode", args.pd_threads, []),
-                                ("prefill", args.pd_threads, ["--kv-transfer-mode", args.kv_transfer_mode]),
+    turns = ["--cpu-turn-dir", str(log_dir / "cpu-turns")] if args.cpu_turns else []
+    for role, threads, more in (("decode", args.pd_threads, [*turns, "--cpu-turn-wait-ms", str(args.cpu_turn_wait_ms)]),
+                                ("prefill", args.pd_threads, [*turns, "--kv-transfer-mode", args.kv_transfer_mode]),
                                 ("mixed", args.threads, [])):
         started.append(spawn_worker(role, model, log_dir / f"{role}.log", [*extra, *more], env=env, threads=threads))
     decode, prefill, mixed = started
@@ -214,8 +218,11 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=default_threads(),
                    help="compute threads of the mixed worker (default: the usable CPUs, %(default)s)")
     p.add_argument("--pd-threads", type=int, default=default_threads(),
-                   help="compute threads of the prefill and of the decode (default: half the usable CPUs each, "
-                        "%(default)s)")
+                   help="compute threads of the prefill and of the decode (default: the usable CPUs, %(default)s)")
+    p.add_argument("--cpu-turns", action=argparse.BooleanOptionalAction, default=True,
+                   help="the prefill and the decode take turns on the cores they share (default: on)")
+    p.add_argument("--cpu-turn-wait-ms", type=float, default=DEFAULT_DECODE_WAIT_S * 1000,
+                   help="the decode's --cpu-turn-wait-ms (default %(default)g)")
     p.add_argument("--worker-env", nargs="*", default=[], metavar="KEY=VALUE",
                    help="environment of every worker, e.g. GOMP_SPINCOUNT=300000 (libgomp's spinning default)")
     p.add_argument("--load", action="store_true",
@@ -243,7 +250,9 @@ def main() -> int:
         args.rounds, args.load_prompt, args.load_tokens = 1, 32, 8
     print("command:", " ".join([Path(sys.executable).name, *sys.argv]))
     print(f"model {args.model}, {args.kv_transfer_mode} over tcp, {args.threads} thread(s) for mixed, "
-          f"{args.pd_threads} for each PD worker, worker env {args.worker_env or 'as is'}")
+          f"{args.pd_threads} for each PD worker, "
+          f"{f'CPU turns (decode waits <= {args.cpu_turn_wait_ms:g} ms)' if args.cpu_turns else 'no CPU turns'}, "
+          f"worker env {args.worker_env or 'as is'}")
     log_dir = Path(tempfile.mkdtemp(prefix="bench-pd-"))
     workers: list[WorkerProcess] = []
     try:

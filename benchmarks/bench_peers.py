@@ -115,15 +115,17 @@ def our_mixed(args: argparse.Namespace, dtype: str, logs: Path) -> Iterator[str]
 
 
 @contextmanager
-def our_pd(args: argparse.Namespace, dtype: str, logs: Path) -> Iterator[str]:
-    with running_prefill(args.model, logs, [*args.our_flags, "--dtype", dtype]) as prefill:
+def our_pd(args: argparse.Namespace, dtype: str, cpu_turns: bool, logs: Path) -> Iterator[str]:
+    with running_prefill(args.model, logs, [*args.our_flags, "--dtype", dtype], cpu_turns) as prefill:
         yield prefill.base_url
 
 
 def ours(args: argparse.Namespace) -> list[Server]:
     return [Server("ours mixed fp32", True, partial(our_mixed, args, "float32")),
             Server("ours mixed bf16", True, partial(our_mixed, args, "bfloat16")),
-            Server("ours PD fp32", True, partial(our_pd, args, "float32"))]
+            Server("ours PD fp32", True, partial(our_pd, args, "float32", True)),
+            # the pair without turns on their shared cores (--cpu-turn-dir), as before issue 18's fix
+            Server("ours PD fp32 no turns", True, partial(our_pd, args, "float32", False))]
 
 
 def vllm(args: argparse.Namespace) -> list[Server]:

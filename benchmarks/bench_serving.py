@@ -100,8 +100,8 @@ def running_mixed(model: str, log_dir: Path, extra: list[str]) -> Iterator[Worke
 
 
 @contextmanager
-def running_prefill(model: str, log_dir: Path, extra: list[str]) -> Iterator[WorkerProcess]:
-    with running_pair(model, log_dir, extra, STARTUP_S) as (prefill, _decode):
+def running_prefill(model: str, log_dir: Path, extra: list[str], cpu_turns: bool = True) -> Iterator[WorkerProcess]:
+    with running_pair(model, log_dir, extra, STARTUP_S, cpu_turns=cpu_turns) as (prefill, _decode):
         yield prefill
 
 

@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from disagg.proto.vocabulary import (
@@ -106,6 +107,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     eng.add_argument("--threads", type=int, default=_default(s, "threads"),
                      help="compute threads (default: $OMP_NUM_THREADS, else the CPUs this process may use, "
                           "from its affinity and cgroup quota)")
+    eng.add_argument("--cpu-turn-dir", type=Path, default=_default(s, "cpu_turn_dir"), metavar="DIR",
+                     help="a prefill and a decode on the same cores take turns at stepping through lock files "
+                          "in DIR (both get the same DIR): prompts first, as a mixed worker orders them "
+                          "(default: no turns)")
+    eng.add_argument("--cpu-turn-wait-ms", type=float, default=_default(s, "cpu_turn_wait_s") * 1000,
+                     metavar="MS", help="with --cpu-turn-dir: the longest a decode step waits for the prefill's prompts, "
+                          "the TPOT its requests give up to them (default %(default)g)")
     eng.add_argument("--seed", type=int, default=_default(e, "seed"),
                      help="seed of requests that give none (default %(default)s)")
 
@@ -181,6 +189,8 @@ def build_configs(args: argparse.Namespace, env: Mapping[str, str] | None = None
         allow_anonymous_peers=args.allow_anonymous_peers,
         tls=tls_files(args),
         threads=args.threads,
+        cpu_turn_dir=args.cpu_turn_dir,
+        cpu_turn_wait_s=args.cpu_turn_wait_ms / 1000,
         vllm_metric_aliases=args.vllm_metric_aliases,
     )
     return engine, server

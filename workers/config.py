@@ -28,6 +28,7 @@ from disagg.proto.vocabulary import (
 )
 
 from disagg.workers.pd.config import PDConfig
+from disagg.workers.pd.cpu_turns import DEFAULT_DECODE_WAIT_S
 from disagg.workers.pd.decision import DecisionPolicy
 from disagg.workers.security.key import ClusterKey
 from disagg.workers.security.tls import TlsFiles
@@ -77,6 +78,10 @@ class ServerConfig:
     tls: TlsFiles | None = None
     # torch's intra-op threads. None: default_threads().
     threads: int | None = None
+    # A folder shared by a prefill and a decode on the same cores, through which
+    # they take turns at stepping (workers/pd/cpu_turns.py); None: no turns.
+    cpu_turn_dir: Path | None = None
+    cpu_turn_wait_s: float = DEFAULT_DECODE_WAIT_S  # the longest a decode step waits for its turn
     # Clients of the OpenAI API send it as `Authorization: Bearer`; None: open.
     api_key: str | None = field(default=None, repr=False)
     # Client requests held beyond the engine's max_num_seqs before a 429; None: 4 x max_num_seqs.
@@ -131,6 +136,11 @@ class ServerConfig:
             raise ValueError(f"kv_checksum must be one of {', '.join(KV_CHECKSUMS)}, got {self.kv_checksum!r}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be at least 1, got {self.threads}")
+        if self.cpu_turn_dir is not None and self.role is Role.MIXED:
+            raise ValueError("--cpu-turn-dir is for a prefill and a decode sharing cores; a mixed worker "
+                             "orders its own steps")
+        if not self.cpu_turn_wait_s > 0:
+            raise ValueError(f"cpu_turn_wait_s must be positive, got {self.cpu_turn_wait_s}")
 
     @property
     def num_threads(self) -> int:

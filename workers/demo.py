@@ -115,13 +115,15 @@ def _mean(worker: WorkerProcess, histogram: str) -> float | None:
 
 @contextmanager
 def running_pair(model: str, log_dir: Path, extra: list[str], startup_timeout_s: float,
-                 mode: str = "PUSH", key_file: Path | None = None,
+                 mode: str = "PUSH", key_file: Path | None = None, cpu_turns: bool = True,
                  ) -> Iterator[tuple[WorkerProcess, WorkerProcess]]:
     """A prefill and a decode on loopback, loaded and linked, each with every CPU (see
     default_threads); both stopped on the way out, whatever happens.
 
     They share the key in `key_file`; None: a random one, written to `log_dir`.
+    `cpu_turns`: they take turns on the cores they share (`--cpu-turn-dir`, a folder in `log_dir`).
     """
+    turns = ["--cpu-turn-dir", str(log_dir / "cpu-turns")] if cpu_turns else []
     if key_file is None:
         log_dir.mkdir(parents=True, exist_ok=True)
         key_file = log_dir / "cluster.key"
@@ -133,7 +135,7 @@ def running_pair(model: str, log_dir: Path, extra: list[str], startup_timeout_s:
         for role in ("decode", "prefill"):
             with _CTRL_C.deferred():
                 workers.append(spawn_worker(role, model, log_dir / f"{role}.log",
-                                            ["--kv-transfer-mode", mode, *extra], key_file=key_file,
+                                            ["--kv-transfer-mode", mode, *turns, *extra], key_file=key_file,
                                             threads=threads))
         decode, prefill = workers
         for w in workers:

@@ -367,6 +367,55 @@ async def test_a_call_cancelled_before_it_runs_still_runs_and_the_engine_lives_o
     assert await async_engine.call(lambda e: ran.is_set()) and async_engine.is_running
 
 
+class HeldGate:
+    """A step gate that stays closed until opened, counting what the loop asked of it."""
+
+    def __init__(self) -> None:
+        self.open = threading.Event()
+        self.asked = self.steps = self.idles = 0
+
+    def may_step(self) -> bool:
+        self.asked += 1
+        return self.open.is_set()
+
+    def after_step(self) -> None:
+        self.steps += 1
+
+    def idle(self) -> None:
+        self.idles += 1
+
+
+async def test_a_closed_step_gate_holds_the_steps_but_not_the_commands(make_engine: MakeEngine) -> None:
+    engine, gate = AsyncEngine(make_engine()), HeldGate()
+    engine.set_step_gate(gate)
+    engine.start()
+    prompt = prompts(1, [6], seed=4)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    expected = tokens(run(make_engine(), [(prompt, params)]))[0]
+    try:
+        task = asyncio.create_task(collect(engine, "held", prompt, params))
+        # While the gate is closed the request waits, and calls still run between its asks.
+        for _ in range(100):
+            if await engine.call(lambda e: e.num_running + e.scheduler.num_waiting) == 1:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)
+        assert await engine.call(lambda e: e.scheduler.num_waiting) == 1
+        assert not task.done() and gate.steps == 0 and gate.asked > 1
+        idles = gate.idles  # the loop was idle before the request came
+        gate.open.set()
+        assert await asyncio.wait_for(task, 60) == expected
+        await wait_for_free_blocks(engine)
+        for _ in range(100):  # the loop tells the gate once it has nothing to step
+            if gate.idles > idles:
+                break
+            await asyncio.sleep(0.02)
+        assert gate.idles > idles
+        assert gate.steps >= len(expected)  # each step was followed by after_step, before the loop idled
+    finally:
+        assert await asyncio.to_thread(engine.shutdown, 30)
+
+
 async def test_shutdown_fails_open_streams(make_engine: MakeEngine) -> None:
     engine = AsyncEngine(make_engine())
     engine.start()

@@ -15,7 +15,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 
@@ -33,6 +33,7 @@ E = TypeVar("E", bound=LLMEngine)
 # nobody wakes it (a safety net: every command also wakes it).
 _IDLE_WAIT_S = 0.5
 _CALL_TIMEOUT_S = 120.0  # an engine step on a CPU can be long, never this long
+_GATE_POLL_S = 0.001  # between asks of a closed step gate (commands still wake the loop at once)
 
 
 class EngineError(RuntimeError):
@@ -101,9 +102,35 @@ class _Call:
 _Command = _Add | _Admit | _Abort | _Call
 
 
+class StepGate(Protocol):
+    """Whether the engine may step now (workers/pd/cpu_turns.py: co-located roles take turns)."""
+
+    def may_step(self) -> bool:
+        """Asked before each step, between looks at the command queue; must not block."""
+        ...
+
+    def after_step(self) -> None: ...
+
+    def idle(self) -> None:
+        """The engine has nothing to step."""
+        ...
+
+
+class _OpenGate:
+    def may_step(self) -> bool:
+        return True
+
+    def after_step(self) -> None:
+        pass
+
+    def idle(self) -> None:
+        pass
+
+
 class AsyncEngine(Generic[E]):
     def __init__(self, engine: E) -> None:
         self.engine = engine
+        self._gate: StepGate = _OpenGate()
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()  # guards _streams
@@ -206,6 +233,11 @@ class AsyncEngine(Generic[E]):
         assert not self._thread.is_alive(), "the layer hook is set before the engine starts"
         self.engine.layer_hook = hook
 
+    def set_step_gate(self, gate: StepGate) -> None:
+        """Install what the loop asks before each step; before `start`, as the engine thread reads it."""
+        assert not self._thread.is_alive(), "the step gate is set before the engine starts"
+        self._gate = gate
+
     # --- fixed settings: safe from any thread ------------------------------------
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -264,12 +296,19 @@ class AsyncEngine(Generic[E]):
                 self._apply_commands()
                 if not self.engine.has_unfinished_requests:
                     if not idle_checked:
+                        self._gate.idle()
                         self.engine.check_integrity()
                         idle_checked = True
                     self._wakeup.wait(_IDLE_WAIT_S)
                     continue
                 idle_checked = False
-                self._step()
+                if not self._gate.may_step():
+                    self._wakeup.wait(_GATE_POLL_S)
+                    continue
+                try:
+                    self._step()
+                finally:
+                    self._gate.after_step()
         except Exception as exc:  # the loop itself broke: nobody may wait on it
             logger.exception("engine loop died")
             self._dead = exc

@@ -19,8 +19,9 @@ from disagg.workers.http.backend import Backend, Health, LoadedEngine, load_engi
 from disagg.workers.metrics import WorkerMetrics
 from disagg.workers.pd.clients import PeerClients
 from disagg.workers.pd.config import PDConfig
-from disagg.workers.pd.decode import DecodeRole
+from disagg.workers.pd.cpu_turns import DecodeTurns, PrefillTurns
 from disagg.workers.pd.decision import DecisionPolicy
+from disagg.workers.pd.decode import DecodeRole
 from disagg.workers.pd.messages import TransferMode
 from disagg.workers.pd.prefill import PrefillRole
 from disagg.workers.pd.service import Handlers, build_grpc_server
@@ -97,6 +98,8 @@ def build_prefill(engine_config: EngineConfig, server_config: ServerConfig,
                             server_config.pd_local_max_running)
     role = PrefillRole(loaded.engine, loaded.tokenizer, loaded.model, parts.transport, parts.clients, metrics,
                        parts.config, server_config.instance_name, parts.transfer_address, mode, policy)
+    if server_config.cpu_turn_dir is not None:
+        loaded.engine.set_step_gate(PrefillTurns(server_config.cpu_turn_dir))
     loaded.engine.start()  # after the role installed its layer hook
     return PDWorker(role, role, server_config, parts.config, parts.guard)
 
@@ -108,6 +111,8 @@ def build_decode(engine_config: EngineConfig, server_config: ServerConfig,
     loaded = parts.loaded
     role = DecodeRole(loaded.engine, loaded.tokenizer, loaded.model, parts.transport, parts.clients, metrics,
                       parts.config)
+    if server_config.cpu_turn_dir is not None:
+        loaded.engine.set_step_gate(DecodeTurns(server_config.cpu_turn_dir, server_config.cpu_turn_wait_s))
     loaded.engine.start()
     return PDWorker(role, None, server_config, parts.config, parts.guard)
 

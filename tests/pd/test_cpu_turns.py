@@ -1,0 +1,85 @@
+"""Turns on shared CPUs (workers/pd/cpu_turns.py): the order of a prefill's and a decode's steps.
+
+Each side opens its own descriptors of the lock files, as two worker processes
+do; flock(2) locks conflict between open files even within one process.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from disagg.proto.vocabulary import Role
+from disagg.workers.config import ServerConfig
+from disagg.workers.pd.cpu_turns import DecodeTurns, PrefillTurns
+
+LONG_WAIT_S = 30.0  # a decode bound no test reaches
+
+
+def test_a_decode_steps_at_once_when_no_prefill_has_work(tmp_path: Path) -> None:
+    decode, other_decode = DecodeTurns(tmp_path, LONG_WAIT_S), DecodeTurns(tmp_path, LONG_WAIT_S)
+    assert decode.may_step()
+    assert not other_decode.may_step()  # one decode step at a time on the shared cores
+    decode.after_step()
+    assert other_decode.may_step()
+    other_decode.after_step()
+
+
+def test_a_decode_waits_while_the_prefill_has_prompts_and_steps_after_the_bound(tmp_path: Path) -> None:
+    prefill, decode = PrefillTurns(tmp_path), DecodeTurns(tmp_path, wait_s=0.2)
+    assert prefill.may_step()
+    prefill.after_step()  # the prefill keeps its turn across steps
+    began = time.monotonic()
+    while not decode.may_step():
+        assert time.monotonic() - began < 5.0, "the decode never stepped"
+        time.sleep(0.005)
+    assert time.monotonic() - began >= 0.2  # it waited its bound, then stepped beside the prefill
+    decode.after_step()
+    assert not decode.may_step()  # a new wait begins with the next step
+    prefill.idle()
+    assert decode.may_step()  # the prefill is idle: the decode's turn at once
+    decode.after_step()
+
+
+def test_a_prefill_waits_for_the_decode_step_in_progress_and_then_goes_first(tmp_path: Path) -> None:
+    prefill, decode = PrefillTurns(tmp_path), DecodeTurns(tmp_path, LONG_WAIT_S)
+    assert decode.may_step()
+    assert not prefill.may_step()  # the decode's step is running on the cores
+    decode.after_step()
+    # The prefill has said it wants the cores: the decode does not take them back first.
+    assert not decode.may_step()
+    assert prefill.may_step()
+    prefill.idle()
+
+
+def test_a_dead_workers_turn_is_dropped(tmp_path: Path) -> None:
+    """The kernel drops flock(2) locks with their process: a prefill that died holding the
+    turn does not hold up the decode."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, time; from pathlib import Path; from disagg.workers.pd.cpu_turns import PrefillTurns\n"
+         f"t = PrefillTurns(Path({str(tmp_path)!r})); assert t.may_step(); print('held', flush=True); "
+         "time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        decode = DecodeTurns(tmp_path, LONG_WAIT_S)
+        assert not decode.may_step()
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    assert decode.may_step()
+    decode.after_step()
+
+
+def test_turns_are_for_a_prefill_and_a_decode(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="mixed worker orders its own steps"):
+        ServerConfig(role=Role.MIXED, cpu_turn_dir=tmp_path)
+    with pytest.raises(ValueError, match="cpu_turn_wait_s must be positive"):
+        ServerConfig(role=Role.DECODE, insecure=True, cpu_turn_dir=tmp_path, cpu_turn_wait_s=0)
+    with pytest.raises(ValueError, match="must be positive"):
+        DecodeTurns(tmp_path, wait_s=-1)
