@@ -374,7 +374,8 @@ class HeldGate:
         self.open = threading.Event()
         self.asked = self.steps = self.idles = 0
 
-    def may_step(self) -> bool:
+    def may_step(self, requests: int) -> bool:
+        assert requests == 1  # the one request of the test below, waiting
         self.asked += 1
         return self.open.is_set()
 

@@ -20,39 +20,51 @@ from disagg.workers.pd.cpu_turns import DecodeTurns, PrefillTurns
 LONG_WAIT_S = 30.0  # a decode bound no test reaches
 
 
-def test_a_decode_steps_at_once_when_no_prefill_has_work(tmp_path: Path) -> None:
+def test_a_decode_steps_alone_when_no_prefill_has_work(tmp_path: Path) -> None:
     decode, other_decode = DecodeTurns(tmp_path, LONG_WAIT_S), DecodeTurns(tmp_path, LONG_WAIT_S)
-    assert decode.may_step()
-    assert not other_decode.may_step()  # one decode step at a time on the shared cores
+    assert decode.may_step(4)
+    assert not other_decode.may_step(4)  # one decode alone on the shared cores at a time
     decode.after_step()
-    assert other_decode.may_step()
+    assert other_decode.may_step(4)
     other_decode.after_step()
 
 
-def test_a_decode_waits_while_the_prefill_has_prompts_and_steps_after_the_bound(tmp_path: Path) -> None:
+def test_a_decode_waits_while_the_prefill_holds_as_many_requests_and_steps_after_the_bound(tmp_path: Path) -> None:
     prefill, decode = PrefillTurns(tmp_path), DecodeTurns(tmp_path, wait_s=0.2)
-    assert prefill.may_step()
+    assert prefill.may_step(8)
     prefill.after_step()  # the prefill keeps its turn across steps
     began = time.monotonic()
-    while not decode.may_step():
+    while not decode.may_step(8):
         assert time.monotonic() - began < 5.0, "the decode never stepped"
         time.sleep(0.005)
     assert time.monotonic() - began >= 0.2  # it waited its bound, then stepped beside the prefill
     decode.after_step()
-    assert not decode.may_step()  # a new wait begins with the next step
+    assert not decode.may_step(8)  # a new wait begins with the next step
     prefill.idle()
-    assert decode.may_step()  # the prefill is idle: the decode's turn at once
+    assert decode.may_step(8)  # the prefill is idle: the decode's turn at once
     decode.after_step()
+
+
+def test_a_decode_running_more_requests_than_the_prefill_holds_steps_beside_it(tmp_path: Path) -> None:
+    """Long prompts arriving one by one while many requests decode: their TPOT does not wait."""
+    prefill, decode = PrefillTurns(tmp_path), DecodeTurns(tmp_path, LONG_WAIT_S)
+    assert prefill.may_step(1)
+    assert decode.may_step(4)
+    decode.after_step()
+    assert prefill.may_step(1)  # both step: the prefill keeps its turn
+    assert prefill.may_step(6)  # a backlog comes: now the prompts go first
+    assert not decode.may_step(4)
+    prefill.idle()
 
 
 def test_a_prefill_waits_for_the_decode_step_in_progress_and_then_goes_first(tmp_path: Path) -> None:
     prefill, decode = PrefillTurns(tmp_path), DecodeTurns(tmp_path, LONG_WAIT_S)
-    assert decode.may_step()
-    assert not prefill.may_step()  # the decode's step is running on the cores
+    assert decode.may_step(2)
+    assert not prefill.may_step(2)  # the decode's step is running alone on the cores
     decode.after_step()
-    # The prefill has said it wants the cores: the decode does not take them back first.
-    assert not decode.may_step()
-    assert prefill.may_step()
+    # The prefill has said it holds requests: the decode does not take the cores back first.
+    assert not decode.may_step(2)
+    assert prefill.may_step(2)
     prefill.idle()
 
 
@@ -62,17 +74,17 @@ def test_a_dead_workers_turn_is_dropped(tmp_path: Path) -> None:
     holder = subprocess.Popen(
         [sys.executable, "-c",
          "import sys, time; from pathlib import Path; from disagg.workers.pd.cpu_turns import PrefillTurns\n"
-         f"t = PrefillTurns(Path({str(tmp_path)!r})); assert t.may_step(); print('held', flush=True); "
+         f"t = PrefillTurns(Path({str(tmp_path)!r})); assert t.may_step(32); print('held', flush=True); "
          "time.sleep(60)"],
         stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
         decode = DecodeTurns(tmp_path, LONG_WAIT_S)
-        assert not decode.may_step()
+        assert not decode.may_step(2)
     finally:
         holder.kill()
         holder.wait(timeout=30)
-    assert decode.may_step()
+    assert decode.may_step(2)  # the count it left in the file does not matter without its lock
     decode.after_step()
 
 

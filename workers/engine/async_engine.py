@@ -105,8 +105,9 @@ _Command = _Add | _Admit | _Abort | _Call
 class StepGate(Protocol):
     """Whether the engine may step now (workers/pd/cpu_turns.py: co-located roles take turns)."""
 
-    def may_step(self) -> bool:
-        """Asked before each step, between looks at the command queue; must not block."""
+    def may_step(self, requests: int) -> bool:
+        """Asked before each step, between looks at the command queue, with the requests the
+        step would serve (running and waiting); must not block."""
         ...
 
     def after_step(self) -> None: ...
@@ -117,7 +118,7 @@ class StepGate(Protocol):
 
 
 class _OpenGate:
-    def may_step(self) -> bool:
+    def may_step(self, requests: int) -> bool:
         return True
 
     def after_step(self) -> None:
@@ -302,7 +303,7 @@ class AsyncEngine(Generic[E]):
                     self._wakeup.wait(_IDLE_WAIT_S)
                     continue
                 idle_checked = False
-                if not self._gate.may_step():
+                if not self._gate.may_step(self.engine.num_running + self.engine.num_waiting):
                     self._wakeup.wait(_GATE_POLL_S)
                     continue
                 try:

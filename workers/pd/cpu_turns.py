@@ -4,49 +4,58 @@ A mixed worker orders its own work: a step computes the waiting prompts and its
 decodes ride along. A prefill and a decode sharing cores (one machine: `disagg
 demo`, the benchmarks, a single-node setup) have no such order: a decode step
 that runs while the prefill computes prompts slows both, and every queued
-prompt's first token waits (issue 18: PD's TTFT 1.3-2.0x the mixed worker's at
-concurrency 8 and 32 on 2 cores, its throughput 0.8x). With `--cpu-turn-dir
-DIR` on both, they take turns through two flock(2) locks in DIR, which the
-kernel drops when a worker dies:
+prompt's first token waits (issue 18: PD's TTFT 1.5-2.4x the mixed worker's at
+concurrency 32 on 2 cores). With `--cpu-turn-dir DIR` on both, they take turns
+through two flock(2) locks in DIR, which the kernel drops when a worker dies:
 
 - `prompts`, held shared by a prefill from its first step until it is idle,
-  and tested by a decode before each step;
+  with the number of requests it holds written in it; a decode tests the lock
+  and reads the number before each step;
 - `steps`, held shared by a prefill across those steps, and exclusively by a
   decode for one step.
 
-So a prefill's prompts run on all the cores back to back, as a mixed worker's
-would, and a decode steps when no prefill has work. A decode that has waited
-`wait_s` steps anyway, beside the prefill, as it would without turns: that
-bound is what its requests' TPOT gives up to prompts, and it keeps PD's lead
-when long prompts keep arriving, where a mixed worker's decodes wait for every
-prompt. A prefill waits at most `PREFILL_WAIT_S` for a decode's step to end.
+The rule, per decode step:
 
-The engine loop asks `may_step()` between looks at its command queue, so
-commands (a decode's reservations, admissions) never wait for a turn.
+- no prefill has work: the decode takes `steps` and runs alone on the cores;
+- the prefill holds at least as many requests as the decode runs: the prompts
+  go first, on every core, as a mixed worker's would; more requests wait for a
+  first token than for a next one, and the decode's batch fills meanwhile. The
+  decode waits, at most `wait_s`: then it steps beside the prefill, so a
+  prompt backlog never stops its tokens for longer than that;
+- the decode runs more requests than the prefill holds (long prompts arriving
+  one by one while many requests decode, the case PD exists for): it steps at
+  once, beside the prefill, as it would without turns, and its TPOT stays
+  protected, where a mixed worker's decodes wait for every prompt.
+
+A prefill waits at most `PREFILL_WAIT_S` for a decode's step to end. The engine
+loop asks `may_step()` between looks at its command queue, so commands (a
+decode's reservations, admissions) never wait for a turn.
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+import struct
 import time
 from pathlib import Path
 
 PREFILL_WAIT_S = 2.0  # a decode's step ends well within this
-DEFAULT_DECODE_WAIT_S = 0.25
+DEFAULT_DECODE_WAIT_S = 1.0
+_COUNT = struct.Struct("<q")  # the prefill's requests, at the start of the `prompts` file
 
 
 class _Lock:
     """One flock(2) lock on a file of the turn folder, tried without blocking."""
 
     def __init__(self, path: Path) -> None:
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         self.held = False
 
     def take(self, mode: int) -> bool:
         """Take it in `mode` (LOCK_SH or LOCK_EX) unless another holder conflicts."""
         try:
-            fcntl.flock(self._fd, mode | fcntl.LOCK_NB)
+            fcntl.flock(self.fd, mode | fcntl.LOCK_NB)
         except BlockingIOError:
             return False
         self.held = True
@@ -54,13 +63,13 @@ class _Lock:
 
     def release(self) -> None:
         if self.held:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
             self.held = False
 
 
-def _folder(path: Path) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+def _locks(folder: Path) -> tuple[_Lock, _Lock]:
+    folder.mkdir(parents=True, exist_ok=True)
+    return _Lock(folder / "prompts"), _Lock(folder / "steps")
 
 
 class _Waiting:
@@ -84,13 +93,13 @@ class PrefillTurns:
     """A prefill's side: it keeps the turn from its first step until it is idle."""
 
     def __init__(self, folder: Path) -> None:
-        folder = _folder(folder)
-        self._prompts = _Lock(folder / "prompts")
-        self._steps = _Lock(folder / "steps")
+        self._prompts, self._steps = _locks(folder)
         self._waiting = _Waiting(PREFILL_WAIT_S)
+        self._published: int | None = None
 
-    def may_step(self) -> bool:
-        # `prompts` fails only for the instant a decode tests it; `steps` while a decode steps.
+    def may_step(self, requests: int) -> bool:
+        self._publish(requests)
+        # `prompts` fails only for the instant a decode tests it; `steps` while a decode steps alone.
         if not self._prompts.held:
             self._prompts.take(fcntl.LOCK_SH)
         if self._steps.held or self._steps.take(fcntl.LOCK_SH) or self._waiting.over():
@@ -102,36 +111,43 @@ class PrefillTurns:
         """Kept across steps: the next prompt step follows at once."""
 
     def idle(self) -> None:
+        self._publish(0)
         self._steps.release()
         self._prompts.release()
 
+    def _publish(self, requests: int) -> None:
+        if requests != self._published:
+            os.pwrite(self._prompts.fd, _COUNT.pack(requests), 0)
+            self._published = requests
+
 
 class DecodeTurns:
-    """A decode's side: it takes the turn for one step when no prefill has work,
-    or steps anyway once it has waited `wait_s`."""
+    """A decode's side: each step, alone on the cores, after the prefill's prompts, or
+    beside them (the module's docstring says which)."""
 
     def __init__(self, folder: Path, wait_s: float = DEFAULT_DECODE_WAIT_S) -> None:
         if wait_s <= 0:
             raise ValueError(f"a decode's wait for its turn must be positive, got {wait_s}")
-        folder = _folder(folder)
-        self._prompts = _Lock(folder / "prompts")
-        self._steps = _Lock(folder / "steps")
+        self._prompts, self._steps = _locks(folder)
         self._waiting = _Waiting(wait_s)
 
-    def may_step(self) -> bool:
-        if self._take() or self._waiting.over():
+    def may_step(self, requests: int) -> bool:
+        if self._prompts.take(fcntl.LOCK_EX):  # no prefill has work
+            self._prompts.release()
+            go = self._steps.take(fcntl.LOCK_EX)  # fails while another decode steps alone
+        else:
+            go = requests > self._prefill_requests()
+        if go or self._waiting.over():
             self._waiting.reset()
             return True
         return False
-
-    def _take(self) -> bool:
-        if not self._prompts.take(fcntl.LOCK_EX):  # a prefill has prompts to compute
-            return False
-        self._prompts.release()
-        return self._steps.take(fcntl.LOCK_EX)
 
     def after_step(self) -> None:
         self._steps.release()
 
     def idle(self) -> None:
         self._steps.release()
+
+    def _prefill_requests(self) -> int:
+        data = os.pread(self._prompts.fd, _COUNT.size, 0)
+        return _COUNT.unpack(data)[0] if len(data) == _COUNT.size else 0
