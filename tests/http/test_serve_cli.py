@@ -66,6 +66,19 @@ def test_the_api_key_comes_from_the_flag_or_the_environment() -> None:
         build_configs(parser.parse_args([*base, "--api-key", " "]), env={})
 
 
+def test_cpu_turns_come_from_the_flags(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    base = ["--role", "decode", "--model", "x", "--insecure"]
+    _, server = build_configs(parser.parse_args([*base, "--cpu-turn-dir", str(tmp_path), "--cpu-turn-wait-ms", "500"]),
+                              env={})
+    assert server.cpu_turn_dir == tmp_path and server.cpu_turn_wait_s == 0.5
+    _, server = build_configs(parser.parse_args(base), env={})
+    assert server.cpu_turn_dir is None
+    result = _run("--role", "mixed", "--model", "x", "--cpu-turn-dir", str(tmp_path))
+    assert result.returncode == 2 and "a mixed worker orders its own steps" in result.stderr
+
+
 @pytest.mark.parametrize(("cpu_max", "expected"), [
     (None, "affinity"),  # no cgroup v2 file
     ("max 100000\n", "affinity"),  # no quota
