@@ -109,8 +109,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                           "from its affinity and cgroup quota)")
     eng.add_argument("--cpu-turn-dir", type=Path, default=_default(s, "cpu_turn_dir"), metavar="DIR",
                      help="a prefill and a decode on the same cores take turns at stepping through lock files "
-                          "in DIR (both get the same DIR): prompts first, as a mixed worker orders them "
-                          "(default: no turns)")
+                          "in DIR (both get the same DIR): while the prefill holds at least as many requests as "
+                          "the decode runs, its prompts go first, as a mixed worker orders them (default: no turns)")
     eng.add_argument("--cpu-turn-wait-ms", type=float, default=_default(s, "cpu_turn_wait_s") * 1000,
                      metavar="MS", help="with --cpu-turn-dir: the longest a decode step waits for the prefill's prompts, "
                           "the TPOT its requests give up to them (default %(default)g)")
