@@ -134,7 +134,8 @@ def start_workers(model: str, log_dir: Path, args: argparse.Namespace,
     extra = ["--served-model-name", SERVED, "--max-model-len", "2048"]
     env = dict(kv.split("=", 1) for kv in args.worker_env)
     turns = ["--cpu-turn-dir", str(log_dir / "cpu-turns")] if args.cpu_turns else []
-    for role, threads, more in (("decode", args.pd_threads, [*turns, "--cpu-turn-wait-ms", str(args.cpu_turn_wait_ms)]),
+    decode_turns = [*turns, "--cpu-turn-wait-ms", str(args.cpu_turn_wait_ms)] if args.cpu_turns else []
+    for role, threads, more in (("decode", args.pd_threads, decode_turns),
                                 ("prefill", args.pd_threads, [*turns, "--kv-transfer-mode", args.kv_transfer_mode]),
                                 ("mixed", args.threads, [])):
         started.append(spawn_worker(role, model, log_dir / f"{role}.log", [*extra, *more], env=env, threads=threads))
