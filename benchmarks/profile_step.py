@@ -12,6 +12,7 @@ Run it with and without the C kernels to compare them on the same machine:
     .venv/bin/python benchmarks/profile_step.py                           # the C kernels where they build
     DISAGG_CPU_KERNELS=off .venv/bin/python benchmarks/profile_step.py    # PyTorch ops only (before)
     DISAGG_CPU_ATTENTION=gather .venv/bin/python benchmarks/profile_step.py   # 4-bit projections only
+    DISAGG_CPU_LINEAR=onednn .venv/bin/python benchmarks/profile_step.py   # float32 projections by oneDNN
 """
 
 from __future__ import annotations
@@ -31,12 +32,13 @@ from torch.profiler import ProfilerActivity, profile
 from disagg.workers.engine import cpu_attention
 from disagg.workers.engine.config import EngineConfig
 from disagg.workers.engine.llm_engine import LLMEngine
-from disagg.workers.engine.models import cpu_norm, grids
+from disagg.workers.engine.models import cpu_norm, grids, panels
 from disagg.workers.engine.sampling_params import SamplingParams
 
 # Ops by kind, by the names the profiler gives them; anything else is "elementwise and glue".
 KINDS = {
     "projections: float32 (oneDNN)": {"mkldnn::_linear_pointwise", "aten::addmm", "aten::mm", "aten::bmm"},
+    "projections: float32 panels (C kernel)": {panels.PROFILE_LABEL},
     "projections: grid codes (C kernel)": {grids.PROFILE_LABEL},
     "attention: paged C kernel": {cpu_attention.PROFILE_LABEL},
     "RMSNorm (C kernel)": {cpu_norm.PROFILE_LABEL},
@@ -104,7 +106,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     path = "the paged C kernel" if cpu_attention.is_available() else "the gather path"
-    path += "; projections from grid codes where weights sit on one" if grids.is_available() else "; float32 projections"
+    path += "; float32 projections: " + ("panel kernel" if panels.preferred() else "oneDNN")
+    path += ", from grid codes where weights sit on one" if grids.is_available() else ""
     print(f"command: {' '.join(sys.orig_argv)}")
     print(f"{args.model}, {args.dtype}, {torch.get_num_threads()} threads, decode attention: {path}; "
           f"load average {' / '.join(f'{x:.2f}' for x in os.getloadavg())}")

@@ -1,4 +1,4 @@
-"""oneDNN-packed projections: the same matmuls as the plain weights, and what LLMEngine runs on a CPU."""
+"""Packed projections (panels or oneDNN): the same matmuls as the plain weights, and what LLMEngine runs on a CPU."""
 
 from __future__ import annotations
 

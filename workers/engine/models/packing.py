@@ -1,12 +1,14 @@
-"""Linear weights pre-packed for oneDNN, the CPU's fast path for decode matmuls.
+"""Linear weights pre-packed for the CPU's fast matmuls.
 
-Most of a CPU step is matmuls of a few rows against every weight. oneDNN runs
-them from a weight reordered once into its own blocked layout 1.8x to 2.6x
-faster than BLAS runs them from a strided one (fp32, batch 1 to 32; measured in
+Most of a CPU step is matmuls against every weight. Run from a weight
+reordered once into a blocked layout, they are 1.8x to 2.6x faster than BLAS
+runs them from a strided one (fp32, batch 1 to 32; measured in
 docs/benchmarks-engine.md), because the kernel then streams the weight in the
-order its registers consume it. The results are the same matmul up to fp32
-rounding order. Packing is for inference only: the packed tensor is opaque, so
-nothing may load weights into a packed model afterwards.
+order its registers consume it. Two packers serve: float32 weights go to our
+panel kernel where it is preferred (models/panels.py: faster than oneDNN on
+AVX2 CPUs), everything else to oneDNN's layout. The results are the same
+matmul up to fp32 rounding order. Packing is for inference only: the packed
+tensor is opaque, so nothing may load weights into a packed model afterwards.
 """
 
 from __future__ import annotations
@@ -16,10 +18,10 @@ import functools
 import torch
 from torch import nn
 
-from disagg.workers.engine.models import grids
+from disagg.workers.engine.models import grids, panels
 
 # Steps of at most this many rows read a weight on a quantisation grid from its
-# codes (models/grids.py); bigger ones are bound by arithmetic, where oneDNN is
+# codes (models/grids.py); bigger ones are bound by arithmetic, where the float32 path is
 # faster (benchmarks/bench_grid_rows.py measures where).
 GRID_MAX_ROWS = {grids.GridFormat.Q4_1: 8, grids.GridFormat.Q8_0: 8}
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
@@ -39,13 +41,19 @@ def _onednn_works(dtype: torch.dtype) -> bool:
 
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether pack_linear_weights can serve a model in `dtype` on `device`."""
-    return device.type == "cpu" and dtype in PACKABLE_DTYPES and torch.backends.mkldnn.is_available() \
-        and _onednn_works(dtype)
+    if device.type != "cpu" or dtype not in PACKABLE_DTYPES:
+        return False
+    return (dtype == torch.float32 and panels.preferred()) or _onednn_serves(dtype)
+
+
+def _onednn_serves(dtype: torch.dtype) -> bool:
+    return torch.backends.mkldnn.is_available() and _onednn_works(dtype)
 
 
 class PackedLinear(nn.Module):
-    """y = x @ weight.T + bias, with the weight held in oneDNN's blocked layout, and
-    as codes too when it sits exactly on a quantisation grid (models/grids.py)."""
+    """y = x @ weight.T + bias, with the weight held in panels (float32, where
+    panels.preferred()) or in oneDNN's blocked layout, and as codes too when it
+    sits exactly on a quantisation grid (models/grids.py)."""
 
     packed_weight: torch.Tensor
     bias: torch.Tensor | None
@@ -53,20 +61,25 @@ class PackedLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        # batch_size=None: one layout for every row count (a hint of 1 slows batches down 2x).
+        self.in_panels = weight.dtype == torch.float32 and panels.preferred()
         with torch.no_grad():
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+            # batch_size=None: one oneDNN layout for every row count (a hint of 1 slows batches down 2x).
+            packed = panels.pack(weight) if self.in_panels else \
+                torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
         self.register_buffer("packed_weight", packed, persistent=False)
-        self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach().contiguous(), persistent=False)
         self.grid = grids.find_grid(weight) if grids.is_available() else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.grid is not None and x.shape[0] <= GRID_MAX_ROWS[self.grid.format] and x.dtype == torch.float32:
             return grids.grid_linear(x, self.grid, self.bias)
+        if self.in_panels:
+            return panels.panel_linear(x, self.packed_weight, self.out_features, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"layout={'panels' if self.in_panels else 'onednn'}, "
                 f"grid={self.grid.format.name if self.grid else None}")
 
 
