@@ -32,7 +32,7 @@ from torch.profiler import ProfilerActivity, profile
 from disagg.workers.engine import cpu_attention
 from disagg.workers.engine.config import EngineConfig
 from disagg.workers.engine.llm_engine import LLMEngine
-from disagg.workers.engine.models import cpu_norm, grids, panels
+from disagg.workers.engine.models import cpu_fused, cpu_norm, grids, panels
 from disagg.workers.engine.sampling_params import SamplingParams
 
 # Ops by kind, by the names the profiler gives them; anything else is "elementwise and glue".
@@ -42,6 +42,7 @@ KINDS = {
     "projections: grid codes (C kernel)": {grids.PROFILE_LABEL},
     "attention: paged C kernel": {cpu_attention.PROFILE_LABEL},
     "RMSNorm (C kernel)": {cpu_norm.PROFILE_LABEL},
+    "SiLU x up, RoPE (C kernels)": {cpu_fused.PROFILE_LABEL},
     "attention: gather + SDPA": {"aten::_scaled_dot_product_flash_attention_for_cpu", "aten::index_select",
                                  "aten::_scaled_dot_product_attention_math"},
     "KV writes": {"aten::index_copy_"},

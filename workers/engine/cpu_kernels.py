@@ -34,7 +34,10 @@ SOURCES = tuple(sorted(CSRC.glob("*.c")))
 HEADERS = tuple(sorted(CSRC.glob("*.h")))  # in the cache key, not on the command line
 # -mprefer-vector-width=256: GCC's AMD Zen tuning would otherwise keep to 128-bit vectors.
 # -ffp-contract=off: a dequantised weight is d * q + m with two roundings, as the loader made it.
-FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=256", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+# -fno-trapping-math: no value changes, only the promise that no one traps on floating-point
+# exceptions; without it GCC keeps every loop with a float comparison (a select) scalar.
+FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=256", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp",
+         "-shared", "-fPIC")
 SWITCH_ENV = "DISAGG_CPU_KERNELS"  # "off": PyTorch ops only
 _BUILD_TIMEOUT_S = 180.0
 Kernel = Callable[..., int]  # a C function with its argtypes set; returns its status code

@@ -24,25 +24,6 @@
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK 256     /* tokens per block */
 
-/* e^x for x <= 0 (scores minus their running max), branch-free so that loops
- * over it vectorise: 2^n * 2^f with a degree-6 polynomial for 2^f on
- * [-0.5, 0.5]; relative error < 2e-7; 0 below e^-87. */
-static inline float exp_nonpositive(float x) {
-    float t = x * 1.44269504088896341f;  /* log2(e) x */
-    t = t < -126.0f ? -126.0f : t;  /* (not fmaxf: a libm call, which stops vectorisation) */
-    const float n = (t + 12582912.0f) - 12582912.0f;  /* round to nearest: 1.5 * 2^23 */
-    const float f = t - n;
-    float p = 1.5403530393381606e-4f;
-    p = p * f + 1.3333558146428443e-3f;
-    p = p * f + 9.6181291076284772e-3f;
-    p = p * f + 5.5504108664821580e-2f;
-    p = p * f + 2.4022650695910071e-1f;
-    p = p * f + 6.9314718055994531e-1f;
-    p = p * f + 1.0f;
-    union { uint32_t u; float f; } two_to_n = { .u = (uint32_t)((int32_t)n + 127) << 23 };
-    return p * two_to_n.f * (float)(x >= -87.0f);
-}
-
 /* q . k and acc += p * v over one cache row (float32 or bfloat16): with AVX2,
  * eight lanes at a time (GCC leaves these loops scalar once inlined into the
  * block walk), the rest one by one. */

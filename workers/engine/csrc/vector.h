@@ -6,6 +6,27 @@
 
 #include <stdint.h>
 
+/* e^x for x <= 0 (attention scores minus their running max, SiLU's e^-|x|),
+ * branch-free so that loops over it vectorise: x = n ln2 + f with n rounded
+ * and f taken in two steps (ln2 split so that n * its first part is exact),
+ * e^f by its Taylor polynomial of degree 7 on |f| <= ln2 / 2, times 2^n set in
+ * the exponent bits; within 2 ulp; 0 below e^-87. */
+static inline float exp_nonpositive(float x) {
+    const float clamped = x < -87.0f ? -87.0f : x;  /* (not fmaxf: a libm call, which stops vectorisation) */
+    const float n = (clamped * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  /* round: 1.5 * 2^23 */
+    const float f = (clamped - n * 0.693359375f) + n * 2.12194440e-4f;
+    float p = 1.0f / 5040.0f;
+    p = p * f + 1.0f / 720.0f;
+    p = p * f + 1.0f / 120.0f;
+    p = p * f + 1.0f / 24.0f;
+    p = p * f + 1.0f / 6.0f;
+    p = p * f + 0.5f;
+    p = p * f + 1.0f;
+    p = p * f + 1.0f;
+    union { uint32_t u; float f; } two_to_n = { .u = (uint32_t)((int32_t)n + 127) << 23 };
+    return p * two_to_n.f * (float)(x >= -87.0f);
+}
+
 static inline float bf16_to_float(uint16_t h) {
     union { uint32_t u; float f; } v = { .u = (uint32_t)h << 16 };
     return v.f;

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from disagg.workers.engine.model_config import ACTIVATIONS, ModelConfig, RopeScaling
-from disagg.workers.engine.models import cpu_norm
+from disagg.workers.engine.models import cpu_fused, cpu_norm
 
 
 class RMSNorm(nn.Module):
@@ -60,7 +60,12 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """x: [T, heads, hd]; rotates each pair (i, i + hd/2) by its position's angle:
-    [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin] = x * cos + [x2, x1] * [-sin, sin]."""
+    [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin] = x * cos + [x2, x1] * [-sin, sin].
+
+    NOTE: on a CPU in float32 the rotation is done in place (cpu_fused.rope_),
+    so x's values are lost; the result is returned either way."""
+    if cpu_fused.serves_rope(x, cos, signed_sin):
+        return cpu_fused.rope_(x, cos, signed_sin)
     swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)  # [x2, x1]
     return x * cos + swapped * signed_sin
 
@@ -108,10 +113,14 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.intermediate_size = config.intermediate_size
         self.act = ACTIVATIONS[config.hidden_act]
+        self.act_is_silu = config.hidden_act == "silu"
         # weight rows: [gate (intermediate) | up (intermediate)]
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.act_is_silu and cpu_fused.serves_silu_mul(gate_up):
+            return self.down_proj(cpu_fused.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(self.act(gate) * up)
