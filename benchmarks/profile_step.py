@@ -1,8 +1,9 @@
-"""Where one decode step of the engine goes, by kind of work (a script, not a test).
+"""Where one step of the engine goes, by kind of work (a script, not a test).
 
 For each batch size: that many requests of random prompts are prefilled, a few
 decode steps warm up, then the torch profiler records `--steps` decode steps of
-`LLMEngine.step` (what a worker runs) and the script prints the milliseconds
+`LLMEngine.step` (what a worker runs); then the same for steps that prefill
+`--prefill-prompts` new prompts at once. The script prints the milliseconds
 per step spent in each kind of op, with the median wall time of unprofiled
 steps beside them. "Python and framework" is the wall time the ops do not
 cover: the model's Python, dispatch, scheduling and sampling bookkeeping.
@@ -24,7 +25,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -43,11 +44,11 @@ KINDS = {
     "attention: paged C kernel": {cpu_attention.PROFILE_LABEL},
     "RMSNorm (C kernel)": {cpu_norm.PROFILE_LABEL},
     "SiLU x up, RoPE (C kernels)": {cpu_fused.PROFILE_LABEL},
-    "attention: gather + SDPA": {"aten::_scaled_dot_product_flash_attention_for_cpu", "aten::index_select",
+    "attention: gather + SDPA (prefills; decodes without the kernel)": {"aten::_scaled_dot_product_flash_attention_for_cpu", "aten::index_select",
                                  "aten::_scaled_dot_product_attention_math"},
     "KV writes": {"aten::index_copy_"},
 }
-OTHER = "elementwise and glue (norms, RoPE, SiLU, adds, copies)"
+OTHER = "elementwise and glue (residual adds, copies; PyTorch's norms, RoPE, SiLU without the kernels)"
 PYTHON = "Python and framework (not in an op)"
 
 
@@ -55,12 +56,38 @@ def kind_of(op_name: str) -> str:
     return next((kind for kind, names in KINDS.items() if op_name in names), OTHER)
 
 
-def build_engine(model: str, dtype: str, batch: int, context: int) -> LLMEngine:
+def build_engine(model: str, dtype: str, batch: int, context: int, step_tokens: int) -> LLMEngine:
     block_size = 16
     blocks = batch * (-(-context // block_size) + 1)
     config = EngineConfig(model=model, device="cpu", dtype=dtype, block_size=block_size, num_kv_blocks=blocks,
-                          max_num_seqs=batch, max_model_len=context + 1, enable_prefix_caching=False)
+                          max_num_seqs=batch, max_model_len=context + 1, max_num_batched_tokens=step_tokens,
+                          enable_prefix_caching=False)
     return LLMEngine.from_config(config)
+
+
+def measure(engine: LLMEngine, steps: int, prepare: Callable[[], None]) -> tuple[float, dict[str, float]]:
+    """(median wall ms of a step, ms per step by kind): `steps` steps timed, then
+    `steps` profiled; `prepare` runs before each, untimed."""
+    walls = []
+    for _ in range(steps):
+        prepare()
+        start = time.perf_counter()
+        engine.step()
+        walls.append((time.perf_counter() - start) * 1000)
+    by_kind: dict[str, float] = defaultdict(float)
+    for _ in range(steps):
+        prepare()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            engine.step()
+        for event in prof.key_averages():
+            by_kind[kind_of(event.key)] += event.self_cpu_time_total / 1000 / steps
+    wall = statistics.median(walls)
+    by_kind[PYTHON] = max(0.0, wall - sum(by_kind.values()))
+    return wall, dict(by_kind)
+
+
+def random_prompt(rng: random.Random, tokens: int) -> list[int]:
+    return [rng.randrange(1000, 40000) for _ in range(tokens)]
 
 
 def profile_batch(engine: LLMEngine, batch: int, prompt_tokens: int, steps: int) -> tuple[float, dict[str, float]]:
@@ -68,27 +95,32 @@ def profile_batch(engine: LLMEngine, batch: int, prompt_tokens: int, steps: int)
     rng = random.Random(batch)
     params = SamplingParams(temperature=0.0, max_tokens=2 * steps + 10, ignore_eos=True)
     for i in range(batch):
-        engine.add_request(f"profile-{batch}-{i}", [rng.randrange(1000, 40000) for _ in range(prompt_tokens)], params)
+        engine.add_request(f"profile-{batch}-{i}", random_prompt(rng, prompt_tokens), params)
     while engine.num_waiting or any(r.num_computed_tokens < prompt_tokens for r in engine.scheduler.running):
         engine.step()  # prefill
     for _ in range(3):
         engine.step()
-    walls = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        engine.step()
-        walls.append((time.perf_counter() - start) * 1000)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(steps):
-            engine.step()
-    by_kind: dict[str, float] = defaultdict(float)
-    for event in prof.key_averages():
-        by_kind[kind_of(event.key)] += event.self_cpu_time_total / 1000 / steps
-    wall = statistics.median(walls)
-    by_kind[PYTHON] = max(0.0, wall - sum(by_kind.values()))
+    result = measure(engine, steps, prepare=lambda: None)
     while engine.has_unfinished_requests:
         engine.step()
-    return wall, dict(by_kind)
+    return result
+
+
+def profile_prefill(engine: LLMEngine, prompts: int, prompt_tokens: int, steps: int) -> tuple[float, dict[str, float]]:
+    """(median wall ms, ms by kind) of a step that prefills `prompts` new prompts at once."""
+    rng = random.Random(prompts)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    added = iter(range(10**9))
+
+    def add_prompts() -> None:
+        while engine.has_unfinished_requests:
+            engine.step()  # the previous step's requests finish
+        for _ in range(prompts):
+            engine.add_request(f"prefill-{next(added)}", random_prompt(rng, prompt_tokens), params)
+
+    add_prompts()
+    engine.step()  # warm
+    return measure(engine, steps, prepare=add_prompts)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -99,6 +131,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-tokens", type=int, default=320, help="context of each request (default: 320, "
                    "mid-way through the peers benchmark's 256 in + 128 out)")
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--prefill-prompts", type=int, default=8, help="new prompts of --prefill-tokens each prefilled "
+                   "in one profiled step (default: 8, a step of the peers benchmark's first wave at c=32; 0: none)")
+    p.add_argument("--prefill-tokens", type=int, default=256)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     return p.parse_args(argv)
 
@@ -112,10 +147,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"command: {' '.join(sys.orig_argv)}")
     print(f"{args.model}, {args.dtype}, {torch.get_num_threads()} threads, decode attention: {path}; "
           f"load average {' / '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    engine = build_engine(args.model, args.dtype, max(args.batch_sizes), args.prompt_tokens + 2 * args.steps + 20)
-    rows = [(batch, *profile_batch(engine, batch, args.prompt_tokens, args.steps)) for batch in args.batch_sizes]
+    context = max(args.prompt_tokens + 2 * args.steps + 20, args.prefill_tokens + 1)
+    prefill_tokens = args.prefill_prompts * args.prefill_tokens
+    engine = build_engine(args.model, args.dtype, max(*args.batch_sizes, args.prefill_prompts), context,
+                          max(prefill_tokens, max(args.batch_sizes)))
+    rows = [(f"decode, batch {batch}", *profile_batch(engine, batch, args.prompt_tokens, args.steps))
+            for batch in args.batch_sizes]
+    if args.prefill_prompts:
+        rows.append((f"prefill, {args.prefill_prompts} x {args.prefill_tokens} tokens",
+                     *profile_prefill(engine, args.prefill_prompts, args.prefill_tokens, max(1, args.steps // 5))))
     kinds = [*KINDS, OTHER, PYTHON]
-    print("\n| ms per decode step | " + " | ".join(f"batch {b}" for b, _, _ in rows) + " |")
+    print("\n| ms per step | " + " | ".join(name for name, _, _ in rows) + " |")
     print("|---|" + "---:|" * len(rows))
     print("| **wall (median)** | " + " | ".join(f"**{wall:.1f}**" for _, wall, _ in rows) + " |")
     for kind in kinds:
