@@ -81,10 +81,14 @@ def test_the_switch_chooses_and_rejects_what_it_does_not_know(choice: pytest.Mon
         panels.preferred()
 
 
-def test_avx512_is_read_from_the_cpu_flags(tmp_path: Path) -> None:
+def test_panels_suit_avx2_cpus_without_avx512(tmp_path: Path) -> None:
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 fma\n")
-    assert not panels.cpu_has_avx512(cpuinfo)
-    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512bw\n")
-    assert panels.cpu_has_avx512(cpuinfo)
-    assert not panels.cpu_has_avx512(tmp_path / "missing")
+    assert panels.cpu_suits_panels(cpuinfo)
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx2 fma avx512f avx512bw\n")
+    assert not panels.cpu_suits_panels(cpuinfo)
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse2 sse4_2 avx\n")  # no AVX2
+    assert not panels.cpu_suits_panels(cpuinfo)
+    cpuinfo.write_text("processor\t: 0\nFeatures\t: fp asimd\n")  # an Arm CPU's
+    assert not panels.cpu_suits_panels(cpuinfo)
+    assert not panels.cpu_suits_panels(tmp_path / "missing")

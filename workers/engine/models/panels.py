@@ -7,8 +7,9 @@ registers. On the AVX2 AMD EPYC of docs/benchmarks-engine.md this ran 1.1x to
 1.6x faster than oneDNN's packed float32 linear at every row count from 1 to
 2048 (benchmarks/bench_linear.py); the results differ from it only in summation
 order. Where the CPU has AVX-512, oneDNN runs 16 lanes where this kernel runs
-8, so oneDNN keeps those (not measured here: no such CPU); DISAGG_CPU_LINEAR
-overrides the choice.
+8, so oneDNN keeps those (not measured here: no such CPU), and CPUs without
+AVX2 and FMA too (the kernel would run scalar); DISAGG_CPU_LINEAR overrides
+the choice.
 """
 
 from __future__ import annotations
@@ -34,12 +35,15 @@ def _kernel() -> cpu_kernels.Kernel | None:
     return cpu_kernels.function("panel_linear_f32", _ARGTYPES, restype=None)
 
 
-def cpu_has_avx512(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+def cpu_suits_panels(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """AVX2 with FMA (the kernel's vectors; without them it runs scalar loops) and no
+    AVX-512 (where oneDNN runs twice the lanes)."""
     try:
         text = cpuinfo.read_text()
     except OSError:
         return False
-    return "avx512f" in next((line for line in text.splitlines() if line.startswith("flags")), "").split()
+    flags = set(next((line for line in text.splitlines() if line.startswith("flags")), "").split())
+    return {"avx2", "fma"} <= flags and "avx512f" not in flags
 
 
 @functools.cache
@@ -50,7 +54,7 @@ def preferred() -> bool:
         raise ValueError(f"{SWITCH_ENV} must be 'panels' or 'onednn', got {choice!r}")
     if _kernel() is None or choice == "onednn":
         return False
-    return choice == "panels" or not cpu_has_avx512()
+    return choice == "panels" or cpu_suits_panels()
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
