@@ -3,10 +3,10 @@
 A weight [N, K] is packed once into panels of 16 output columns, each stored
 k-major ([ceil(N / 16), K, 16], zero past N), so the kernel streams a panel in
 the order its registers consume it while a tile of 6 rows of x stays in
-registers. On the AVX2 AMD EPYC of docs/benchmarks-engine.md this ran 1.1x to
-1.6x faster than oneDNN's packed float32 linear at every row count from 1 to
-2048 (benchmarks/bench_linear.py); the results differ from it only in summation
-order. Where the CPU has AVX-512, oneDNN runs 16 lanes where this kernel runs
+registers. On the AVX2 AMD EPYC of docs/benchmarks-engine.md this ran 1.2x to
+1.7x faster than oneDNN's packed float32 linear from 1 to 32 rows and 1.0x to
+1.2x at 256 and 2048 (benchmarks/bench_linear.py); the results differ from it
+only in summation order. Where the CPU has AVX-512, oneDNN runs 16 lanes where this kernel runs
 8, so oneDNN keeps those (not measured here: no such CPU), and CPUs without
 AVX2 and FMA too (the kernel would run scalar); DISAGG_CPU_LINEAR overrides
 the choice.
