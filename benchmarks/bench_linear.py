@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 import torch
 
+from disagg.workers.engine import cpu_kernels
 from disagg.workers.engine.models import panels
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
@@ -40,10 +41,11 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = p.parse_args()
-    if not panels.preferred() and os.environ.get(panels.SWITCH_ENV) != "onednn":
-        print("the panel kernel does not serve here (no C compiler, or an AVX-512 CPU without "
-              f"{panels.SWITCH_ENV}=panels)", file=sys.stderr)
+    if cpu_kernels.library() is None:
+        print("the panel kernel is not built here: no C compiler (see cpu_kernels.py)", file=sys.stderr)
         return 1
+    if not panels.preferred():
+        print("note: the engine does not take the panel kernel on this CPU (see models/panels.py)")
     torch.set_num_threads(args.threads)
     print(f"command: {' '.join(sys.orig_argv)}")
     print(f"{torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.2f}; GFLOP/s, medians of "

@@ -44,8 +44,9 @@ KINDS = {
     "attention: paged C kernel": {cpu_attention.PROFILE_LABEL},
     "RMSNorm (C kernel)": {cpu_norm.PROFILE_LABEL},
     "SiLU x up, RoPE (C kernels)": {cpu_fused.PROFILE_LABEL},
-    "attention: gather + SDPA (prefills; decodes without the kernel)": {"aten::_scaled_dot_product_flash_attention_for_cpu", "aten::index_select",
-                                 "aten::_scaled_dot_product_attention_math"},
+    "attention: gather + SDPA (prefills; decodes without the kernel)": {
+        "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::index_select",
+        "aten::_scaled_dot_product_attention_math"},
     "KV writes": {"aten::index_copy_"},
 }
 OTHER = "elementwise and glue (residual adds, copies; PyTorch's norms, RoPE, SiLU without the kernels)"

@@ -22,17 +22,23 @@ DEFAULT_GPU_KV_CACHE_FRACTION = 0.85
 NATIVE_BF16_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})
 
 
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """The x86 feature flags of /proc/cpuinfo; empty where there are none to read
+    (not Linux, no /proc, or a CPU that lists "Features" instead)."""
+    try:
+        lines = cpuinfo.read_text().splitlines()
+    except OSError:
+        return frozenset()
+    return frozenset(next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), []))
+
+
 @functools.cache
 def cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     """Whether this CPU computes in bf16 natively. There, the engine served bf16
     1.15x to 1.5x faster than fp32 (docs/benchmarks-engine.md); without it bf16 is
-    emulated, and served about 9x slower than fp32 on an AVX2 CPU (docs/benchmarks.md)."""
-    try:
-        lines = cpuinfo.read_text().splitlines()
-    except OSError:  # not Linux, or no /proc: fp32, which is fast everywhere
-        return False
-    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
-    return not NATIVE_BF16_FLAGS.isdisjoint(flags)
+    emulated, and served about 9x slower than fp32 on an AVX2 CPU (docs/benchmarks.md).
+    Without flags to read: fp32, which is fast everywhere."""
+    return not NATIVE_BF16_FLAGS.isdisjoint(cpu_flags(cpuinfo))
 
 
 @dataclass(frozen=True)

@@ -26,9 +26,7 @@ void silu_mul_f32(const float *gate_up, float *out, int rows, int width, int thr
         for (int i = 0; i < width; i++) {
             const float g = gate[i];
             const float e = exp_nonpositive(-fabsf(g));
-            /* selects between values, not between products: GCC keeps loops with a
-             * product (which may trap) in one arm scalar */
-            o[i] = g * (g >= 0.0f ? 1.0f : e) / (1.0f + e) * up[i];
+            o[i] = (g >= 0.0f ? g : g * e) / (1.0f + e) * up[i];
         }
     }
 }

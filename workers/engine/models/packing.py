@@ -31,6 +31,8 @@ PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 def _onednn_works(dtype: torch.dtype) -> bool:
     """True when this torch build has oneDNN's linear ops and they run here in `dtype`
     (bf16 needs CPU support that older oneDNN versions refuse without)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(torch.ones(2, 2, dtype=dtype), None)
         out = torch.ops.mkldnn._linear_pointwise(torch.ones(1, 2, dtype=dtype), packed, None, "none", [], "")
@@ -43,11 +45,7 @@ def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether pack_linear_weights can serve a model in `dtype` on `device`."""
     if device.type != "cpu" or dtype not in PACKABLE_DTYPES:
         return False
-    return (dtype == torch.float32 and panels.preferred()) or _onednn_serves(dtype)
-
-
-def _onednn_serves(dtype: torch.dtype) -> bool:
-    return torch.backends.mkldnn.is_available() and _onednn_works(dtype)
+    return (dtype == torch.float32 and panels.preferred()) or _onednn_works(dtype)
 
 
 class PackedLinear(nn.Module):

@@ -6,10 +6,10 @@ the order its registers consume it while a tile of 6 rows of x stays in
 registers. On the AVX2 AMD EPYC of docs/benchmarks-engine.md this ran 1.2x to
 1.7x faster than oneDNN's packed float32 linear from 1 to 32 rows and 1.0x to
 1.2x at 256 and 2048 (benchmarks/bench_linear.py); the results differ from it
-only in summation order. Where the CPU has AVX-512, oneDNN runs 16 lanes where this kernel runs
-8, so oneDNN keeps those (not measured here: no such CPU), and CPUs without
-AVX2 and FMA too (the kernel would run scalar); DISAGG_CPU_LINEAR overrides
-the choice.
+only in summation order. Where the CPU has AVX-512, oneDNN runs 16 lanes where
+this kernel runs 8, so oneDNN keeps those (not measured here: no such CPU), and
+CPUs without AVX2 and FMA too (the kernel would run scalar);
+DISAGG_CPU_LINEAR overrides the choice.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from disagg.workers.engine import cpu_kernels
+from disagg.workers.engine.config import cpu_flags
 
 PANEL = 16  # output columns per panel, as panel_linear.c's
 PROFILE_LABEL = "disagg::panel_linear_cpu"
@@ -38,11 +39,7 @@ def _kernel() -> cpu_kernels.Kernel | None:
 def cpu_suits_panels(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     """AVX2 with FMA (the kernel's vectors; without them it runs scalar loops) and no
     AVX-512 (where oneDNN runs twice the lanes)."""
-    try:
-        text = cpuinfo.read_text()
-    except OSError:
-        return False
-    flags = set(next((line for line in text.splitlines() if line.startswith("flags")), "").split())
+    flags = cpu_flags(cpuinfo)
     return {"avx2", "fma"} <= flags and "avx512f" not in flags
 
 
