@@ -27,6 +27,11 @@ The rule, per decode step:
   once, beside the prefill, as it would without turns, and its TPOT stays
   protected, where a mixed worker's decodes wait for every prompt.
 
+Prompts always first, with only the bound for the decode, was measured and
+not kept: it cures TTFT at concurrency 32 but moves the cost to TPOT and gives
+up most of the third rule's protection (docs/benchmarks.md, "Prompts first
+with a bounded wait").
+
 A prefill waits at most `PREFILL_WAIT_S` for a decode's step to end. The engine
 loop asks `may_step()` between looks at its command queue, so commands (a
 decode's reservations, admissions) never wait for a turn.
