@@ -23,6 +23,7 @@ need a restart to take the new key).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from disagg.workers.security.key import new_key_text
@@ -42,6 +43,15 @@ class KeyPlan:
     event: tuple[str, str, str] | None = None  # (type, reason, message)
 
 
+def every_worker_holds(expected: str, fingerprints: Sequence[str | None]) -> bool:
+    """Whether a rotation may take its next step: every running worker answered with the
+    fingerprint of the current text. One that did not answer (None: busy past the timeout,
+    still starting) holds the step, for a step taken without it would leave it two behind
+    and refuse the next signer's calls; a worker that never answers again is restarted by
+    its liveness probe and reads the current file when it starts."""
+    return all(fp == expected for fp in fingerprints)
+
+
 def keys_of(text: str) -> list[str]:
     return [line.strip() for line in text.strip().splitlines() if line.strip()]
 
@@ -53,7 +63,7 @@ def plan_key(current: str | None, rotation: str | None, known: str | None, settl
         current: the Secret's key text; None when there is no Secret.
         rotation: its rotation annotation (ACCEPT, SIGN or None).
         known: the key text the operator last saw for this cluster; None after a restart.
-        settled: every reachable worker reports the fingerprint of `current`.
+        settled: every running worker reports the fingerprint of `current` (`every_worker_holds`).
     """
     fresh = new_key_text().decode()
     if current is None:

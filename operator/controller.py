@@ -23,7 +23,7 @@ import httpx
 import kopf
 
 from disagg.operator import manifests as m
-from disagg.operator.cluster_key import plan_key
+from disagg.operator.cluster_key import every_worker_holds, plan_key
 from disagg.operator.drain import drain, in_flight
 from disagg.operator.health import key_fingerprint, model_loaded
 from disagg.operator.crd import ROLE_PLURAL
@@ -303,11 +303,10 @@ class ClusterController:
             self.tls = channel_credentials(*self.tls_items)
 
     async def _workers_hold(self, text: str, views: Sequence[PodView]) -> bool:
-        """Whether every worker that answers reports the keys of `text` (terminating ones too: they still serve)."""
-        expected = ClusterKey(text.encode()).fingerprint()
+        """Whether every running worker reports the keys of `text` (terminating ones too: they still serve)."""
         asking = [v for v in views if v.running and v.ip]
         answers = await asyncio.gather(*(key_fingerprint(self.deps.http, v.ip) for v in asking))
-        return all(fp == expected for fp in answers if fp is not None)
+        return every_worker_holds(ClusterKey(text.encode()).fingerprint(), answers)
 
     @property
     def _security_contexts(self) -> tuple[Mapping[str, Any], Mapping[str, Any]]:

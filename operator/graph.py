@@ -57,13 +57,21 @@ class LinkGraph:
         return min((f.next_due for f in self.failures.values()), default=None)
 
     def record_link(self, pair: Pair, result: LinkResult, now: float, observed: Observed) -> None:
-        """The outcome of a link attempt made while the pair's pods were as `observed`."""
+        """The outcome of a link attempt made while the pair's pods were as `observed`.
+
+        A failed re-assert of a link made with these same incarnations keeps the
+        edge: a timeout or a refusal says nothing about the link the worker holds
+        (a restarted worker is a new incarnation, linked afresh), and dropping it
+        would take both pods out of routing. It is tried again after the backoff.
+        """
         op = result.op
+        made = Edge(decode=op.target, prefill=op.payload)
         if result.ok:
-            self.edges[pair] = Edge(decode=op.target, prefill=op.payload)
+            self.edges[pair] = made
             self.failures.pop(pair, None)
             return
-        self.edges.pop(pair, None)
+        if self.edges.get(pair) != made:
+            self.edges.pop(pair, None)
         before = self.failures.get(pair)
         # The backoff grows only while nothing changes; a change starts it again from the base.
         attempts = before.attempts + 1 if before is not None and before.observed == observed else 1

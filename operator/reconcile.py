@@ -228,7 +228,8 @@ def plan_links(views: Sequence[PodView], graph: LinkGraph, now: float, reassert:
     side is still alive, except edges of the pods in `keep` (draining: their
     drain unlinks them once idle). Missing links are made when their backoff
     allows (or at once when a pod of the pair changed since its last failure);
-    `reassert` re-sends existing ones too (they are idempotent).
+    `reassert` re-sends existing ones too (they are idempotent); one whose
+    re-assert failed is re-sent when its backoff allows, until it succeeds.
     """
     by_name = {v.name: v for v in views}
     decodes = [v for v in views if v.role == "decode" and v.can_link]
@@ -261,7 +262,8 @@ def plan_links(views: Sequence[PodView], graph: LinkGraph, now: float, reassert:
     link = [
         (pair, LinkOp(link=True, target=d, payload=p))
         for pair, (d, p) in desired.items()
-        if (reassert or not graph.established(pair, d, p)) and graph.due(pair, now, observed[pair])
+        if (reassert or not graph.established(pair, d, p) or pair in graph.failures)
+        and graph.due(pair, now, observed[pair])
     ]
     return LinkPlan(unlink=tuple(unlink), link=tuple(link), desired=frozenset(desired), mismatched=tuple(mismatched),
                     observed=observed)

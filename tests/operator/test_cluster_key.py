@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from disagg.operator import manifests as m
-from disagg.operator.cluster_key import ACCEPT, SIGN, keys_of, plan_key
+from disagg.operator.cluster_key import ACCEPT, SIGN, every_worker_holds, keys_of, plan_key
 from disagg.operator.spec import ClusterSpec, parse_spec
 from disagg.workers.security.key import ClusterKey, CredentialVerifier
 
@@ -99,3 +99,11 @@ def test_a_tls_secret_is_mounted_and_renaming_it_rolls_the_pods(owner: Callable[
     other = parse_spec({"model": {"source": "m"}, "security": {"tlsSecretName": "llm-tls-2"}})
     assert m.current_templates(spec) != m.current_templates(other)
     assert "--tls-dir" not in m.worker_args("decode", parse_spec({"model": {"source": "m"}}))
+
+
+def test_a_worker_that_does_not_answer_holds_the_rotations_step() -> None:
+    expected = ClusterKey(f"{OLD}\n{NEW}".encode()).fingerprint()
+    assert every_worker_holds(expected, [expected, expected])
+    assert every_worker_holds(expected, [])
+    assert not every_worker_holds(expected, [expected, None]), "busy past the timeout: it may still be a step behind"
+    assert not every_worker_holds(expected, [expected, ClusterKey(OLD.encode()).fingerprint()])

@@ -155,6 +155,32 @@ def test_links_are_made_once_then_only_reasserted_on_request(spec: ClusterSpec, 
     assert len(plan_links(views, graph, now=1.0, reassert=True).link) == 1
 
 
+def test_a_failed_reassert_keeps_the_link_and_the_gates(spec: ClusterSpec, served_pod: Pod) -> None:
+    views = views_of(served_pod("prefill", "p", "127.0.0.11", spec, gate=True),
+                     served_pod("decode", "d", "127.0.0.21", spec, gate=True))
+    graph = LinkGraph()
+    link_all(graph, views)
+    plan = plan_links(views, graph, now=60.0, reassert=True)
+    ((pair, op),) = plan.link
+    graph.record_link(pair, LinkResult(op, False, "DEADLINE_EXCEEDED: busy", 0.0), now=60.0,
+                      observed=plan.observed[pair])
+    assert graph.established(pair, op.target, op.payload), "a timed-out re-assert says nothing of the link"
+    assert not plan_gates(views, graph, plan.desired), "both pods stay routed"
+    assert not plan_links(views, graph, now=60.2, reassert=True).link, "tried again after the backoff"
+    plan = plan_links(views, graph, now=60.5)
+    ((pair, op),) = plan.link  # without waiting for the next re-assert
+    graph.record_link(pair, LinkResult(op, True, "", 0.0), now=60.5, observed=plan.observed[pair])
+    assert not graph.failures and not plan_links(views, graph, now=61.0).link
+    # A worker that restarted is a new incarnation: its failed link is no edge.
+    restarted = views_of(served_pod("prefill", "p", "127.0.0.11", spec, gate=True, restarts=1),
+                         served_pod("decode", "d", "127.0.0.21", spec, gate=True))
+    plan = plan_links(restarted, graph, now=61.0)
+    ((pair, op),) = plan.link
+    graph.record_link(pair, LinkResult(op, False, "UNAVAILABLE: refused", 0.0), now=61.0,
+                      observed=plan.observed[pair])
+    assert pair not in graph.edges
+
+
 def test_a_pod_is_linkable_once_its_worker_has_loaded_its_model(spec: ClusterSpec, served_pod: Pod) -> None:
     loading = views_of(served_pod("prefill", "p", "127.0.0.11", spec, ready=False),
                        served_pod("decode", "d", "127.0.0.21", spec, ready=False))

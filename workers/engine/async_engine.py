@@ -66,12 +66,15 @@ async def outputs_until_finished(
             return
 
 
+_Item = RequestOutput | BaseException  # what a request's stream receives: an output, or the error that ends it
+
+
 @dataclass
 class _Stream:
     """Where one request's outputs go: a queue owned by the consumer's event loop."""
 
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[RequestOutput | BaseException]
+    queue: asyncio.Queue[_Item]
 
 
 @dataclass(frozen=True)
@@ -361,21 +364,33 @@ class AsyncEngine(Generic[E]):
             for request_id in failed:
                 self._deliver(request_id, EngineError(f"engine step failed: {exc}"))
             return
-        for output in outputs:
-            self._deliver(output.request_id, output)
+        self._deliver_all([(output.request_id, output) for output in outputs])
 
-    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+    def _deliver(self, request_id: str, item: _Item) -> None:
+        self._deliver_all([(request_id, item)])
+
+    def _deliver_all(self, items: Sequence[tuple[str, _Item]]) -> None:
+        """Hand each item to its request's queue: one wake-up of each consumer loop per call, not
+        one per request (a step of 32 sequences would otherwise wake the event loop 32 times,
+        each wake-up taking the GIL from the next step)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[_Item], _Item]]] = {}
         with self._lock:
-            stream = self._streams.get(request_id)
-        if stream is None:
-            return  # the consumer left; its abort is on the way
-        try:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
-        except RuntimeError:
-            logger.debug("event loop of request %s is closed", request_id)
+            for request_id, item in items:
+                stream = self._streams.get(request_id)
+                if stream is not None:  # else the consumer left; its abort is on the way
+                    by_loop.setdefault(stream.loop, []).append((stream.queue, item))
+        for loop, puts in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, puts)
+            except RuntimeError:
+                logger.debug("an event loop of %d request(s) is closed", len(puts))
 
     def _fail_all(self, error: EngineError) -> None:
         with self._lock:
             request_ids = list(self._streams)
-        for request_id in request_ids:
-            self._deliver(request_id, error)
+        self._deliver_all([(request_id, error) for request_id in request_ids])
+
+
+def _put_all(puts: Sequence[tuple[asyncio.Queue[_Item], _Item]]) -> None:
+    for q, item in puts:
+        q.put_nowait(item)
