@@ -35,6 +35,7 @@ from disagg.testing.rest import Kube
 pytestmark = pytest.mark.e2e
 
 WAIT_S = 180.0
+KEDA_BUILD_WAIT_S = 300.0
 SCALED_OBJECT = f"{CLUSTER}-decode"
 # KEDA names the HPA it makes for a ScaledObject keda-hpa-<name>.
 HPA = f"keda-hpa-{SCALED_OBJECT}"
@@ -44,7 +45,8 @@ HPA = f"keda-hpa-{SCALED_OBJECT}"
 def keda(cluster: LocalCluster, kube: Kube, routable_kubelet: LocalKubelet,
          tmp_path_factory: pytest.TempPathFactory) -> Iterator[Keda]:
     try:
-        binaries = find_keda()
+        # `make test` builds them first; a cold build here would run past the test's time limit.
+        binaries = find_keda(build_timeout_s=KEDA_BUILD_WAIT_S)
     except BinariesError as e:
         pytest.skip(f"KEDA's binaries cannot be built here: {e}")
     part = Keda(binaries, kube, cluster.admin_kubeconfig, routable_kubelet.take_address(),
