@@ -128,6 +128,25 @@ async def test_link_and_unlink_are_idempotent_and_unlink_fails_requests(pd_pair:
         assert len(await collect(pair, "again", prompt_of(5))) == GREEDY.max_tokens
 
 
+async def test_a_decode_that_no_longer_knows_the_prefill_answers_try_another(pd_pair: Callable[..., Any]) -> None:
+    """A drain unlinks both sides at once; whichever hears it first, the prefill's next request must
+    be sent elsewhere (404), never failed (500). A draining decode answers 404 whether linked or not."""
+    async with pd_pair() as pair:
+        name = pair.prefill_config.instance_name
+
+        async def admission(req_id: str) -> int:
+            req = request_to_proto(NewRequest(req_id, prompt_of(9), GREEDY, name))
+            answer = await pair.stub.AddNewRequests(pb.DisaggRequests(prefill_name=name, reqs=[req]), timeout=5)
+            return answer.resps[0].status_code
+
+        pair.decode.role.set_draining(True)
+        assert await admission("while-draining") == 404
+        pair.decode.role.set_draining(False)
+        assert (await pair.stub.UnlinkInstance(pair.prefill_info.to_proto(), timeout=10)).ok
+        assert await admission("unlinked") == 404
+        assert free_blocks(pair) == (NUM_KV_BLOCKS, NUM_KV_BLOCKS)
+
+
 async def test_client_going_away_frees_both_sides(pd_pair: Callable[..., Any]) -> None:
     async with pd_pair() as pair:
         stream = pair.prefill.role.generate("gone", prompt_of(9), SamplingParams(max_tokens=300, temperature=0.0,

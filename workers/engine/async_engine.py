@@ -52,9 +52,10 @@ class EngineStats:
     num_preemptions: int
 
 
-async def outputs_until_finished(
-    outputs: asyncio.Queue[RequestOutput | BaseException],
-) -> AsyncIterator[RequestOutput]:
+StreamItem = RequestOutput | BaseException  # what a request's stream receives: an output, or the error that ends it
+
+
+async def outputs_until_finished(outputs: asyncio.Queue[StreamItem]) -> AsyncIterator[RequestOutput]:
     """The outputs put into one request's queue, up to the finished one; an
     exception put into it is raised instead."""
     while True:
@@ -66,15 +67,12 @@ async def outputs_until_finished(
             return
 
 
-_Item = RequestOutput | BaseException  # what a request's stream receives: an output, or the error that ends it
-
-
 @dataclass
 class _Stream:
     """Where one request's outputs go: a queue owned by the consumer's event loop."""
 
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[_Item]
+    queue: asyncio.Queue[StreamItem]
 
 
 @dataclass(frozen=True)
@@ -361,19 +359,19 @@ class AsyncEngine(Generic[E]):
             for request_id in failed:
                 self.engine.abort_request(request_id)
             self.engine.step()  # reports the aborts; runs nothing, since nothing is left
-            for request_id in failed:
-                self._deliver(request_id, EngineError(f"engine step failed: {exc}"))
+            error = EngineError(f"engine step failed: {exc}")
+            self._deliver_all([(request_id, error) for request_id in failed])
             return
         self._deliver_all([(output.request_id, output) for output in outputs])
 
-    def _deliver(self, request_id: str, item: _Item) -> None:
+    def _deliver(self, request_id: str, item: StreamItem) -> None:
         self._deliver_all([(request_id, item)])
 
-    def _deliver_all(self, items: Sequence[tuple[str, _Item]]) -> None:
+    def _deliver_all(self, items: Sequence[tuple[str, StreamItem]]) -> None:
         """Hand each item to its request's queue: one wake-up of each consumer loop per call, not
         one per request (a step of 32 sequences would otherwise wake the event loop 32 times,
         each wake-up taking the GIL from the next step)."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[_Item], _Item]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[StreamItem], StreamItem]]] = {}
         with self._lock:
             for request_id, item in items:
                 stream = self._streams.get(request_id)
@@ -391,6 +389,6 @@ class AsyncEngine(Generic[E]):
         self._deliver_all([(request_id, error) for request_id in request_ids])
 
 
-def _put_all(puts: Sequence[tuple[asyncio.Queue[_Item], _Item]]) -> None:
+def _put_all(puts: Sequence[tuple[asyncio.Queue[StreamItem], StreamItem]]) -> None:
     for q, item in puts:
         q.put_nowait(item)

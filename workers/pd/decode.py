@@ -160,14 +160,16 @@ class DecodeRole(EngineHealth["AsyncEngine[LLMEngine]"]):
         return [await self._reserve(prefill_name, r, reuse) for r in reqs]
 
     async def _reserve(self, prefill: str, req: NewRequest, reuse_prefix: bool) -> Reservation:
-        if not self.peers.is_live(prefill):
-            log.warning("request %s from %s, which is not linked here", req.req_id, prefill)
-            return Reservation(req.req_id, Admission.REFUSED, [])
-        if req.req_id in self._incoming:
-            return Reservation(req.req_id, Admission.REFUSED, [])
         if self._draining:
             # 404, as when out of blocks: the prefill tries another decode.
             return Reservation(req.req_id, Admission.NO_BLOCKS, [])
+        if not self.peers.is_live(prefill):
+            # 404 too: a link is changing (a drain's two unlinks race, one side first), and the prefill
+            # that still counts this decode linked must try another, not fail its client's request.
+            log.warning("request %s from %s, which is not linked here", req.req_id, prefill)
+            return Reservation(req.req_id, Admission.NO_BLOCKS, [])
+        if req.req_id in self._incoming:
+            return Reservation(req.req_id, Admission.REFUSED, [])
         def reserve(e: LLMEngine) -> tuple[list[int], int]:
             blocks = e.reserve_request(req.req_id, req.prompt_token_ids, req.params, reuse_prefix)
             return blocks, e.reserved_prefix_blocks(req.req_id)

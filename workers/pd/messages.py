@@ -17,7 +17,7 @@ class Admission(enum.IntEnum):
     """`DisaggResponse.status_code` of AddNewRequests (HTTP-like, as in xLLM)."""
 
     OK = 200  # blocks allocated; their ids are in the answer
-    NO_BLOCKS = 404  # no free blocks right now: back off, maybe try another decode
+    NO_BLOCKS = 404  # no room right now (no free blocks, draining, link changing): back off, try another decode
     TOO_LARGE = 413  # the prompt can never fit this decode: fail the request
     REFUSED = 500  # the request could not be built (bad parameters, duplicate id)
 

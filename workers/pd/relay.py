@@ -20,7 +20,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from disagg.workers.engine.async_engine import AsyncEngine, outputs_until_finished
+from disagg.workers.engine.async_engine import AsyncEngine, StreamItem, outputs_until_finished
 from disagg.workers.engine.outputs import FinishReason, RequestOutput, TokenLogprob
 from disagg.workers.engine.request import Request
 from disagg.workers.engine.sampling_params import SamplingParams
@@ -34,13 +34,13 @@ class Stream:
     request: Request  # followed: the engine never runs it
     client_id: str  # the client's request id
     wire_id: str  # the id its current decode knows it by (a new one after each migration)
-    queue: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[StreamItem] = field(default_factory=asyncio.Queue)
     decode: str | None = None
     closed: bool = False  # the client side is done: later Generations are refused
     handed_off: bool = False  # its first token went out: the decode generates the rest
     last_output: float = field(default_factory=time.monotonic)
 
-    def put(self, item: RequestOutput | BaseException) -> None:
+    def put(self, item: StreamItem) -> None:
         if not self.closed:
             self.last_output = time.monotonic()
             self.queue.put_nowait(item)

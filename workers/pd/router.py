@@ -88,7 +88,9 @@ class DecodeRouter:
             live = [n for n in self.peers.names() if self.peers.is_live(n)]
             if not live:
                 raise NoDecodeAvailable(reason)
-            for name in sorted(live, key=lambda n: self._load.get(n, 0)):
+            now = time.monotonic()
+            # Those that said "no room" lately are asked last: a draining decode says so until it is unlinked.
+            for name in sorted(live, key=lambda n: (self._full_until.get(n, 0.0) > now, self._load.get(n, 0))):
                 address = self._addresses[name]
                 # Counted while asked, so that a burst of requests spreads over the decodes.
                 self._load[name] = self._load.get(name, 0) + 1
