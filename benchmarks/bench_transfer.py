@@ -47,6 +47,7 @@ from dataclasses import replace
 
 import torch
 
+from disagg.testing.processes import cpu_seconds
 from disagg.workers.heap import freeze_startup_heap
 from disagg.workers.transfer import KVLayout, KVTransport, TransferSession, create_transport
 from disagg.workers.transfer.base import BlockRun, merge_runs
@@ -146,13 +147,8 @@ class Child:
         return self.line()
 
     def cpu_seconds(self) -> float:
-        """User + system CPU time of the child so far (Linux /proc; 0 elsewhere)."""
-        try:
-            with open(f"/proc/{self.proc.pid}/stat") as stat:
-                fields = stat.read().rpartition(")")[2].split()
-        except OSError:
-            return 0.0
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime in ticks
+        """User + system CPU time of the child so far."""
+        return cpu_seconds(self.proc.pid)
 
     def stop(self) -> None:
         assert self.proc.stdin is not None, "stdin is piped"

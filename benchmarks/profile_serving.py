@@ -30,9 +30,9 @@ import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
-import httpx
-from bench_pd import SERVED, STARTUP_S, Prompts, Sample, stream_one
+from bench_pd import SERVED, STARTUP_S, Prompts, Sample, run_load
 
+from disagg.testing.processes import cpu_seconds
 from disagg.workers.local import WorkerProcess, spawn_worker
 
 FRAME = re.compile(r"^(?P<function>.*) \((?P<file>[^()]*?)(?::\d+)?\)$")
@@ -40,21 +40,15 @@ FRAME = re.compile(r"^(?P<function>.*) \((?P<file>[^()]*?)(?::\d+)?\)$")
 PROJECT = ("workers", "disagg")
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process, its threads included."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-async def wave(worker: WorkerProcess, prompts: Prompts, args: argparse.Namespace, concurrency: int,
-               max_tokens: int) -> list[Sample]:
-    async with httpx.AsyncClient(timeout=600.0) as client:
-        return await asyncio.gather(*(stream_one(client, worker, prompts.next(args.prompt_tokens), max_tokens)
-                                      for _ in range(concurrency)))
+def wave(worker: WorkerProcess, prompts: Prompts, prompt_tokens: int, concurrency: int,
+         max_tokens: int) -> list[Sample]:
+    """`concurrency` streams at once, each with a fresh prompt."""
+    return asyncio.run(run_load(worker, [prompts.next(prompt_tokens) for _ in range(concurrency)], concurrency,
+                                max_tokens))
 
 
 def is_ours(file: str) -> bool:
-    return Path(file).parts[:1] in {(top,) for top in PROJECT}
+    return bool(file) and Path(file).parts[0] in PROJECT
 
 
 def package_of(file: str) -> str:
@@ -106,19 +100,20 @@ def main() -> int:
     p.add_argument("--top", type=int, default=8, help="entries per list in the profile summary")
     args = p.parse_args()
     logs = Path(tempfile.mkdtemp(prefix="profile-serving-"))
+    raw = logs / "pyspy.txt"
     worker = spawn_worker("mixed", args.model, logs / "mixed.log", ["--served-model-name", SERVED])
     print(f"{args.concurrency} streams x {args.prompt_tokens} prompt tokens x {args.max_tokens} output tokens; "
           f"logs in {logs}", flush=True)
     try:
         worker.wait_loaded(STARTUP_S)
         prompts = Prompts(20000)
-        asyncio.run(wave(worker, prompts, args, 4, 8))  # warm-up
+        wave(worker, prompts, args.prompt_tokens, 4, 8)  # warm-up
         pid = worker.process.pid
         for r in range(1, args.rounds + 1):
-            spy = record(pid, logs / "pyspy.txt") if args.pyspy and r == args.rounds else None
+            spy = record(pid, raw) if args.pyspy and r == args.rounds else None
             time.sleep(1.0 if spy else 0.0)  # py-spy attaches before the wave
             cpu0, t0 = cpu_seconds(pid), time.perf_counter()
-            samples = asyncio.run(wave(worker, prompts, args, args.concurrency, args.max_tokens))
+            samples = wave(worker, prompts, args.prompt_tokens, args.concurrency, args.max_tokens)
             cpu, wall = cpu_seconds(pid) - cpu0, time.perf_counter() - t0
             tokens = sum(s.tokens for s in samples)
             print(f"round {r}: {tokens / wall:.1f} tok/s, worker CPU {cpu:.1f} s over {wall:.1f} s, "
@@ -127,10 +122,10 @@ def main() -> int:
             if spy:
                 spy.send_signal(signal.SIGINT)
                 _, err = spy.communicate(timeout=60)
-                if spy.returncode not in (0, -signal.SIGINT) or not (logs / "pyspy.txt").exists():
+                if spy.returncode not in (0, -signal.SIGINT) or not raw.exists():
                     print(f"py-spy failed ({spy.returncode}): {err.decode(errors='replace')[-500:]}")
                     return 1
-                print(summarise(logs / "pyspy.txt", args.top))
+                print(summarise(raw, args.top))
     finally:
         worker.process.terminate()
         worker.process.wait(30)

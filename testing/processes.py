@@ -95,15 +95,26 @@ class ManagedProcess:
         return code
 
 
-def _stat(pid: int) -> tuple[str, int] | None:
-    """(state letter, process group) from /proc/PID/stat, or None when it is gone."""
+def _stat_fields(pid: int) -> list[str] | None:
+    """/proc/PID/stat's fields after the command name (state first), or None when it is gone."""
     try:
         text = Path(f"/proc/{pid}/stat").read_text()
     except (FileNotFoundError, ProcessLookupError):
         return None
     # The command name may hold spaces and parentheses: split after the last ')'.
-    fields = text[text.rindex(")") + 2:].split()
-    return fields[0], int(fields[2])
+    return text[text.rindex(")") + 2:].split()
+
+
+def _stat(pid: int) -> tuple[str, int] | None:
+    """(state letter, process group) from /proc/PID/stat, or None when it is gone."""
+    fields = _stat_fields(pid)
+    return None if fields is None else (fields[0], int(fields[2]))
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far, its threads included (0 once it is gone)."""
+    fields = _stat_fields(pid)
+    return 0.0 if fields is None else (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def process_running(pid: int) -> bool:
