@@ -15,7 +15,9 @@ from typing import Any
 from disagg.proto.vocabulary import (
     API_KEY_ENV, DEVICES, DTYPES, KV_CHECKSUMS, PD_POLICIES, TRANSFER_MODES, TRANSPORTS, PDPolicy,
 )
-from disagg.workers.config import Role, ServerConfig, TransferMode, Transport
+from disagg.workers.config import (
+    PREFILL_CPU_STEP_TOKENS, Role, ServerConfig, TransferMode, Transport, default_step_tokens,
+)
 from disagg.workers.engine.config import EngineConfig
 from disagg.workers.security.key import KEY_ENV, KEY_FILE_ENV, ClusterKey, default_key_file, key_from_environment
 from disagg.workers.security.tls import CA_FILE, CERT_FILE, KEY_FILE, TlsFiles
@@ -100,8 +102,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                      help="KV blocks in the pool (default: sized from memory)")
     eng.add_argument("--max-num-seqs", type=int, default=_default(e, "max_num_seqs"),
                      help="sequences in one batch (default %(default)s)")
-    eng.add_argument("--max-num-batched-tokens", type=int, default=_default(e, "max_num_batched_tokens"),
-                     help="token budget of one engine step (default %(default)s)")
+    eng.add_argument("--max-num-batched-tokens", type=int, default=None,
+                     help=f"token budget of one engine step (default: {PREFILL_CPU_STEP_TOKENS} for a prefill on a CPU, "
+                          f"else {_default(e, 'max_num_batched_tokens')})")
     eng.add_argument("--max-model-len", type=int, default=_default(e, "max_model_len"),
                      help="context length served (default: the model's)")
     eng.add_argument("--threads", type=int, default=_default(s, "threads"),
@@ -159,10 +162,12 @@ def build_configs(args: argparse.Namespace, env: Mapping[str, str] | None = None
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
         max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         seed=args.seed,
     )
+    budget = args.max_num_batched_tokens
+    engine = dataclasses.replace(engine, max_num_batched_tokens=(
+        budget if budget is not None else default_step_tokens(Role(args.role), engine)))
     server = ServerConfig(
         role=Role(args.role),
         host=args.host,

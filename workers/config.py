@@ -27,14 +27,15 @@ from disagg.proto.vocabulary import (
     Transport,
 )
 
+from disagg.workers.engine.config import EngineConfig
 from disagg.workers.pd.config import PDConfig
 from disagg.workers.pd.cpu_turns import DEFAULT_DECODE_WAIT_S
 from disagg.workers.pd.decision import DecisionPolicy
 from disagg.workers.security.key import ClusterKey
 from disagg.workers.security.tls import TlsFiles
 
-__all__ = ["Role", "ServerConfig", "TransferMode", "Transport", "default_kv_connections", "default_threads",
-           "usable_cpus"]
+__all__ = ["Role", "ServerConfig", "TransferMode", "Transport", "default_kv_connections", "default_step_tokens",
+           "default_threads", "usable_cpus"]
 
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")  # cgroup v2: "<quota> <period>" or "max <period>"
 
@@ -186,6 +187,25 @@ def default_kv_connections(cpus: int | None = None) -> int:
     both ends busy, more only contend (docs/benchmarks-transfer.md).
     """
     return max(1, min(4, (usable_cpus() if cpus is None else cpus) // 2))
+
+
+# A prefill's engine step on a CPU (see default_step_tokens).
+PREFILL_CPU_STEP_TOKENS = 512
+
+
+def default_step_tokens(role: Role, engine: EngineConfig) -> int:
+    """The token budget of one engine step when --max-num-batched-tokens is not given.
+
+    A prefill on a CPU takes PREFILL_CPU_STEP_TOKENS: its steps compute prompts
+    only, and every prompt of a step waits for the last one's first token. One
+    prompt of a few hundred tokens already keeps a CPU's projections
+    compute-bound (893 ms per 256-token prompt in steps of 8 prompts or of 2,
+    985 ms alone; docs/benchmarks.md), so a larger step adds no throughput, only
+    first-token latency. A mixed worker or a decode keeps the engine's default:
+    its decodes ride in its steps. A GPU does too: it needs large steps to fill.
+    """
+    on_cpu = engine.torch_device.type == "cpu"
+    return PREFILL_CPU_STEP_TOKENS if role is Role.PREFILL and on_cpu else engine.max_num_batched_tokens
 
 
 def default_threads(cpus: int | None = None) -> int:

@@ -19,8 +19,11 @@ import pytest
 
 from disagg.workers import cli
 from disagg.workers.args import add_serve_arguments, build_configs
-from disagg.workers.config import default_kv_connections, default_threads, usable_cpus
+from disagg.workers.config import (
+    PREFILL_CPU_STEP_TOKENS, default_kv_connections, default_threads, usable_cpus,
+)
 from disagg.workers.demo import running_pair
+from disagg.workers.engine.config import EngineConfig
 from disagg.workers.heap import freeze_startup_heap
 from disagg.workers.local import free_port
 
@@ -77,6 +80,23 @@ def test_cpu_turns_come_from_the_flags(tmp_path: Path) -> None:
     assert server.cpu_turn_dir is None
     result = _run("--role", "mixed", "--model", "x", "--cpu-turn-dir", str(tmp_path))
     assert result.returncode == 2 and "a mixed worker orders its own steps" in result.stderr
+
+
+@pytest.mark.parametrize(("role", "device", "flag", "budget"), [
+    ("prefill", "cpu", None, PREFILL_CPU_STEP_TOKENS),  # prompts only: small steps, earlier first tokens
+    ("mixed", "cpu", None, EngineConfig.max_num_batched_tokens),  # its decodes ride in its steps
+    ("decode", "cpu", None, EngineConfig.max_num_batched_tokens),
+    ("prefill", "cuda", None, EngineConfig.max_num_batched_tokens),  # a GPU needs large steps to fill
+    ("prefill", "cpu", "4096", 4096),  # the flag wins
+    ("mixed", "cpu", "100", 100),
+])
+def test_the_step_budget_follows_the_role_unless_given(role: str, device: str, flag: str | None, budget: int) -> None:
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    given = [] if flag is None else ["--max-num-batched-tokens", flag]
+    engine, _ = build_configs(parser.parse_args(["--role", role, "--model", "x", "--device", device, "--insecure",
+                                                 *given]), env={})
+    assert engine.max_num_batched_tokens == budget
 
 
 @pytest.mark.parametrize(("cpu_max", "expected"), [
