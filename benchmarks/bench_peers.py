@@ -5,8 +5,8 @@ out, `--ignore-eos`, greedy), at concurrency 1, 8 and 32 (a script, not a test).
 
 One server runs at a time, on loopback, with the same explicit thread count
 (this machine's usable CPUs); rounds alternate the order of the servers. Each
-round prints a table of output tokens/s and median TTFT and TPOT, and the ratios
-ours / each peer. Servers that are not installed are skipped with a line saying so.
+round prints a table of output tokens/s and median TTFT, TPOT and end-to-end
+latency, and the ratios ours / each peer (and our PD pair / our mixed worker). Servers that are not installed are skipped with a line saying so.
 
 The peers live outside the project's virtual environment (docs/benchmarks.md):
 
@@ -41,6 +41,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -78,6 +79,9 @@ class Result:
     output_tok_s: float  # of the completed requests
     ttft_ms: float  # median
     tpot_ms: float  # median
+    # median; TPOT is (end to end - TTFT) / (tokens - 1), so a first token that comes
+    # earlier while the request ends at the same time raises TPOT: the two read together
+    e2e_ms: float
     failed: int
 
     @classmethod
@@ -86,7 +90,8 @@ class Result:
         d = json.loads(path.read_text())
         if not d["completed"]:
             raise ToolFailed(f"{path}: none of {requests} requests completed")
-        return cls(d["output_throughput"], d["median_ttft_ms"], d["median_tpot_ms"], requests - d["completed"])
+        return cls(d["output_throughput"], d["median_ttft_ms"], d["median_tpot_ms"],
+                   statistics.median(d["latencies"]) * 1000, requests - d["completed"])
 
     @property
     def tok_s(self) -> str:
@@ -203,23 +208,33 @@ def measure(args: argparse.Namespace, server: Server, out: Path) -> dict[int, Re
 # ---- the tables --------------------------------------------------------------
 
 def table(results: dict[str, dict[int, Result]], levels: list[int]) -> str:
-    head = "| server | " + " | ".join(f"c={c} tok/s | c={c} TTFT ms | c={c} TPOT ms" for c in levels) + " |"
-    rows = [f"| {name} | " + " | ".join(f"{r[c].tok_s} | {r[c].ttft_ms:.0f} | {r[c].tpot_ms:.1f}"
+    head = "| server | " + " | ".join(f"c={c} tok/s | c={c} TTFT ms | c={c} TPOT ms | c={c} E2E ms"
+                                     for c in levels) + " |"
+    rows = [f"| {name} | " + " | ".join(f"{r[c].tok_s} | {r[c].ttft_ms:.0f} | {r[c].tpot_ms:.1f} | {r[c].e2e_ms:.0f}"
                                        for c in levels) + " |" for name, r in results.items()]
-    return "\n".join([head, "|---|" + "---:|" * 3 * len(levels), *rows])
+    return "\n".join([head, "|---|" + "---:|" * 4 * len(levels), *rows])
+
+
+def baselines(server: Server, servers: list[Server]) -> list[str]:
+    """What one of ours is compared with: every peer, and for a PD pair our mixed worker of its dtype."""
+    peers = [s.name for s in servers if not s.ours]
+    if server.ours and server.name.startswith("ours PD "):
+        return [f"ours mixed {server.name.split()[2]}", *peers]
+    return peers if server.ours else []
 
 
 def ratios(results: dict[str, dict[int, Result]], servers: list[Server], levels: list[int]) -> str:
-    """ours / peer: above 1 for tok/s is ours ahead; below 1 for TTFT and TPOT is ours ahead."""
-    head = "| ours / peer | " + " | ".join(f"c={c} tok/s | c={c} TTFT | c={c} TPOT" for c in levels) + " |"
+    """ours / baseline: above 1 for tok/s is ours ahead; below 1 for the latencies is ours ahead."""
+    head = "| ours / baseline | " + " | ".join(f"c={c} tok/s | c={c} TTFT | c={c} TPOT | c={c} E2E"
+                                             for c in levels) + " |"
     rows = []
-    for a in (s.name for s in servers if s.ours and s.name in results):
-        for b in (s.name for s in servers if not s.ours and s.name in results):
-            x, y = results[a], results[b]
-            rows.append(f"| {a} / {b} | " + " | ".join(
+    for a in (s for s in servers if s.name in results):
+        for b in (name for name in baselines(a, servers) if name in results):
+            x, y = results[a.name], results[b]
+            rows.append(f"| {a.name} / {b} | " + " | ".join(
                 f"{x[c].output_tok_s / y[c].output_tok_s:.2f}x | {x[c].ttft_ms / y[c].ttft_ms:.2f}x "
-                f"| {x[c].tpot_ms / y[c].tpot_ms:.2f}x" for c in levels) + " |")
-    return "\n".join([head, "|---|" + "---:|" * 3 * len(levels), *rows])
+                f"| {x[c].tpot_ms / y[c].tpot_ms:.2f}x | {x[c].e2e_ms / y[c].e2e_ms:.2f}x" for c in levels) + " |")
+    return "\n".join([head, "|---|" + "---:|" * 4 * len(levels), *rows])
 
 
 def bench(args: argparse.Namespace, servers: list[Server], out: Path) -> None:
