@@ -6,7 +6,8 @@ out, `--ignore-eos`, greedy), at concurrency 1, 8 and 32 (a script, not a test).
 One server runs at a time, on loopback, with the same explicit thread count
 (this machine's usable CPUs); rounds alternate the order of the servers. Each
 round prints a table of output tokens/s and median TTFT, TPOT and end-to-end
-latency, and the ratios ours / each peer (and our PD pair / our mixed worker). Servers that are not installed are skipped with a line saying so.
+latency, and the ratios ours / each peer (and our PD pair / our mixed worker).
+Servers that are not installed are skipped with a line saying so.
 
 The peers live outside the project's virtual environment (docs/benchmarks.md):
 
