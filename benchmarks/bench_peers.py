@@ -71,6 +71,7 @@ class Server:
     ours: bool
     start: Callable[[Path], AbstractContextManager[str]]  # its log folder -> its base URL while it runs
     missing: str | None = None
+    also_against: str | None = None  # one of ours it is compared with besides the peers (a PD pair: our mixed)
 
 
 @dataclass(frozen=True)
@@ -129,9 +130,10 @@ def our_pd(args: argparse.Namespace, dtype: str, cpu_turns: bool, logs: Path) ->
 def ours(args: argparse.Namespace) -> list[Server]:
     return [Server("ours mixed fp32", True, partial(our_mixed, args, "float32")),
             Server("ours mixed bf16", True, partial(our_mixed, args, "bfloat16")),
-            Server("ours PD fp32", True, partial(our_pd, args, "float32", True)),
+            Server("ours PD fp32", True, partial(our_pd, args, "float32", True), also_against="ours mixed fp32"),
             # the pair without turns on their shared cores (--cpu-turn-dir), as before issue 18's fix
-            Server("ours PD fp32 no turns", True, partial(our_pd, args, "float32", False))]
+            Server("ours PD fp32 no turns", True, partial(our_pd, args, "float32", False),
+                   also_against="ours mixed fp32")]
 
 
 def vllm(args: argparse.Namespace) -> list[Server]:
@@ -217,11 +219,10 @@ def table(results: dict[str, dict[int, Result]], levels: list[int]) -> str:
 
 
 def baselines(server: Server, servers: list[Server]) -> list[str]:
-    """What one of ours is compared with: every peer, and for a PD pair our mixed worker of its dtype."""
-    peers = [s.name for s in servers if not s.ours]
-    if server.ours and server.name.startswith("ours PD "):
-        return [f"ours mixed {server.name.split()[2]}", *peers]
-    return peers if server.ours else []
+    """What one of ours is compared with: its `also_against`, then every peer."""
+    if not server.ours:
+        return []
+    return [*([server.also_against] if server.also_against else []), *(s.name for s in servers if not s.ours)]
 
 
 def ratios(results: dict[str, dict[int, Result]], servers: list[Server], levels: list[int]) -> str:

@@ -30,10 +30,11 @@ import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from bench_pd import SERVED, STARTUP_S, Prompts, Sample, run_load
+from bench_pd import SERVED, Prompts, Sample, run_load
+from bench_serving import running_mixed
 
 from disagg.testing.processes import cpu_seconds
-from disagg.workers.local import WorkerProcess, spawn_worker
+from disagg.workers.local import WorkerProcess
 
 FRAME = re.compile(r"^(?P<function>.*) \((?P<file>[^()]*?)(?::\d+)?\)$")
 # py-spy names a file relative to its sys.path entry: `workers/...` in an editable install, `disagg/...` otherwise.
@@ -101,11 +102,9 @@ def main() -> int:
     args = p.parse_args()
     logs = Path(tempfile.mkdtemp(prefix="profile-serving-"))
     raw = logs / "pyspy.txt"
-    worker = spawn_worker("mixed", args.model, logs / "mixed.log", ["--served-model-name", SERVED])
     print(f"{args.concurrency} streams x {args.prompt_tokens} prompt tokens x {args.max_tokens} output tokens; "
           f"logs in {logs}", flush=True)
-    try:
-        worker.wait_loaded(STARTUP_S)
+    with running_mixed(args.model, logs, ["--served-model-name", SERVED]) as worker:
         prompts = Prompts(20000)
         wave(worker, prompts, args.prompt_tokens, 4, 8)  # warm-up
         pid = worker.process.pid
@@ -126,9 +125,6 @@ def main() -> int:
                     print(f"py-spy failed ({spy.returncode}): {err.decode(errors='replace')[-500:]}")
                     return 1
                 print(summarise(raw, args.top))
-    finally:
-        worker.process.terminate()
-        worker.process.wait(30)
     return 0
 
 
