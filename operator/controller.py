@@ -345,12 +345,11 @@ class ClusterController:
         # A draining pod keeps its links until its drain unlinks it; once gone, its edges are stale.
         draining = frozenset(v.name for v in views if v.is_draining and not v.is_gone)
         plan = plan_links(views, self.graph, now, reassert=reassert, keep=draining)
-        unlink_ops = [op for _, ops in plan.unlink for op in ops]
-        results = await self.deps.links.run(unlink_ops + [op for _, op in plan.link], self.key, self.tls)
-        self.deps.metrics.observe_links(results)
+        unlink_results, link_results = await self.deps.links.run_pairs(plan.unlink, plan.link, self.key, self.tls)
+        self.deps.metrics.observe_links(unlink_results + link_results)
         self.graph.forget(pair for pair, _ in plan.unlink)
         self.graph.forget(stale_failures(self.graph, plan.desired))
-        for (pair, op), result in zip(plan.link, results[len(unlink_ops):]):
+        for (pair, op), result in zip(plan.link, link_results):
             self.graph.record_link(pair, result, time.monotonic(), plan.observed[pair])
             if not result.ok:
                 log.info("link %s failed: %s", pair, result.error)

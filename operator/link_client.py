@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
+from typing import TypeVar
 
 import grpc
 
@@ -13,6 +14,7 @@ from disagg.proto import disagg_pd_pb2_grpc
 from disagg.workers.security.control import control_channel
 from disagg.workers.security.key import ClusterKey
 
+K = TypeVar("K", bound=Hashable)  # what groups ops: a (decode, prefill) pair
 Credentials = tuple[ClusterKey | None, grpc.ChannelCredentials | None]  # what a channel signs with, its TLS
 
 
@@ -62,6 +64,25 @@ class LinkClient:
                   tls: grpc.ChannelCredentials | None = None) -> list[LinkResult]:
         """All `ops` in parallel, signed with `key` (over `tls`), results in the same order."""
         return list(await asyncio.gather(*(self.call(op, key, tls) for op in ops)))
+
+    async def run_pairs(self, unlink: Sequence[tuple[K, Sequence[LinkOp]]], link: Sequence[tuple[K, LinkOp]],
+                        key: ClusterKey | None = None, tls: grpc.ChannelCredentials | None = None
+                        ) -> tuple[list[LinkResult], list[LinkResult]]:
+        """Unlinks and links of many pairs in parallel, but a pair's link only once its unlinks are done;
+        the results of each, in order (of `unlink`'s ops flattened, and of `link`).
+
+        A worker knows its peers by address, which a restarted pod keeps: an unlink of the pair's old
+        incarnation that landed after the new link would drop the new link.
+        """
+        unlinks = {pair: asyncio.ensure_future(self.run(ops, key, tls)) for pair, ops in unlink}
+
+        async def after_unlinks(pair: K, op: LinkOp) -> LinkResult:
+            if pair in unlinks:
+                await asyncio.wait([unlinks[pair]])
+            return await self.call(op, key, tls)
+
+        link_results = await asyncio.gather(*(after_unlinks(pair, op) for pair, op in link))
+        return [r for task in unlinks.values() for r in await task], list(link_results)
 
     def forget(self, addresses: Iterable[str]) -> None:
         """Drop channels of workers that are gone (their addresses may be reused)."""

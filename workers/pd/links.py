@@ -71,15 +71,17 @@ class PeerTable:
         self._metrics.set_links(len(self._sessions))
         log.info("linked %s", name)
 
-    async def remove(self, name: str, reason: str) -> bool:
-        """Drop a peer and fail its requests (on_lost). False if it was not linked.
+    async def remove(self, name: str, reason: str, only: TransferSession | None = None) -> bool:
+        """Drop a peer and fail its requests (on_lost). False if it was not linked (over `only`, if given:
+        a peer that linked again meanwhile keeps its new session).
 
         NOTE: the data path closes before on_lost frees the requests' blocks, so
         that no late write of the peer can land in a block already reused.
         """
-        session = self._sessions.pop(name, None)
-        if session is None:
+        session = self._sessions.get(name)
+        if session is None or only is not None and session is not only:
             return False
+        del self._sessions[name]
         self._unhealthy.discard(name)
         self._metrics.peers_unhealthy.set(len(self._unhealthy))
         self._metrics.set_links(len(self._sessions))
@@ -101,5 +103,6 @@ class PeerTable:
     async def _watch(self) -> None:
         while True:
             await asyncio.sleep(WATCH_INTERVAL_S)
-            for name in [n for n, s in self._sessions.items() if not s.is_open]:
-                await self.remove(name, "its transfer session broke (the peer died or closed it)")
+            # Each removal awaits on_lost, during which a peer may link again under the same name.
+            for name, broken in [(n, s) for n, s in self._sessions.items() if not s.is_open]:
+                await self.remove(name, "its transfer session broke (the peer died or closed it)", only=broken)
