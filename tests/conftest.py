@@ -12,6 +12,7 @@ a missing control plane must not look like a green run.
 
 from __future__ import annotations
 
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +28,8 @@ from disagg.testing.tiny_model import build_tiny_model
 
 ROUTABLE_NODE = "disagg-routable-node"
 _START_NOTE = pytest.StashKey[str]()
+_FAILED = pytest.StashKey[bool]()
+POD_LOG_CHARS = 4000  # of each pod's log, printed when a test that made pods fails
 
 
 @pytest.fixture(scope="session")
@@ -54,12 +57,25 @@ def kube(cluster: LocalCluster) -> Iterator[Kube]:
     connection.close()
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """Mark a test whose call failed, for the fixtures' teardown."""
+    report = yield
+    if report.when == "call" and report.failed:
+        item.stash[_FAILED] = True
+    return report
+
+
 @pytest.fixture
-def namespace(kube: Kube) -> Iterator[str]:
-    """A fresh namespace, deleted (with its pods) after the test."""
+def namespace(request: pytest.FixtureRequest, cluster: LocalCluster, kube: Kube) -> Iterator[str]:
+    """A fresh namespace, deleted (with its pods) after the test; when the test failed, the end of
+    each of its pods' logs goes to stderr first (pytest shows it with the failure)."""
     name = f"t-{uuid.uuid4().hex[:8]}"
     create_namespace(kube, name)
     yield name
+    if request.node.stash.get(_FAILED, False):
+        for log in sorted(cluster.workdir.glob(f"*/pods/{name}_*.log")):
+            sys.stderr.write(f"--- the end of {log.name} ---\n{log.read_text(errors='replace')[-POD_LOG_CHARS:]}\n")
     kube.delete(f"/api/v1/namespaces/{name}")
 
 
