@@ -78,7 +78,7 @@ class LinkClient:
 
         async def after_unlinks(pair: K, op: LinkOp) -> LinkResult:
             if pair in unlinks:
-                await asyncio.wait([unlinks[pair]])
+                await unlinks[pair]
             return await self.call(op, key, tls)
 
         link_results = await asyncio.gather(*(after_unlinks(pair, op) for pair, op in link))
