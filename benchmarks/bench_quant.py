@@ -348,8 +348,8 @@ def measure_engines(args: argparse.Namespace) -> list[str]:
     tokenizer = Tokenizer.from_dir(resolve_model_dir(args.model, default_cache_dir()))
     batch = max(args.batch_sizes)
     prompts = chat_prompts(tokenizer, batch)
-    config = EngineConfig(model=args.model, device="cpu", num_kv_blocks=batch * 16, max_num_seqs=batch,
-                          max_model_len=256, enable_prefix_caching=False)
+    config = EngineConfig(model=args.model, device="cpu", dtype="float32", num_kv_blocks=batch * 16,
+                          max_num_seqs=batch, max_model_len=256, enable_prefix_caching=False)
     schemes: dict[str, Make | None] = {"fp32 packed": None} | {s: SCHEMES[s] for s in args.schemes}
     engines = {name: quantised_engine(args.model, tokenizer, make, config) for name, make in schemes.items()}
     predictions = {name: prompt_predictions(engine, prompts) for name, engine in engines.items()}  # and warm-up

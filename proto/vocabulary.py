@@ -49,7 +49,7 @@ class PDPolicy(str, enum.Enum):
 
 
 DEVICES = ("auto", "cpu", "cuda")
-DTYPES = ("auto", "float32", "bfloat16", "float16")  # "auto": float32 on a CPU, bfloat16 on CUDA
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # "auto": bfloat16 on CUDA and CPUs with native bf16
 
 # Every worker pod has its own IP, so the operator uses these same defaults in every pod.
 HTTP_PORT = 8000  # the OpenAI API, /health, /ready, /metrics

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import httpx
 
+from disagg.proto.vocabulary import DTYPES
 from disagg.workers.config import default_threads
 from disagg.workers.local import WorkerFailed, WorkerProcess, link, spawn_worker
 from disagg.workers.security.key import ClusterKey
@@ -80,6 +81,11 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=32, help="tokens per answer (default %(default)s)")
     p.add_argument("--kv-transfer-mode", choices=("PUSH", "PULL"), default="PUSH", help="default %(default)s")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default %(default)s")
+    # The demo shows the model's own answers: fp32, whose greedy tokens equal transformers'. bf16 (`auto`
+    # on a CPU with native bf16) is faster and within its tolerance, but flips near-ties: this model's
+    # first answer token to the France question is "The" over "L" by 0.08 in fp32, and an AMX CPU's bf16
+    # picks "L" (docs/benchmarks-engine.md, "bf16 on an AMX CPU").
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="the workers' dtype (default %(default)s)")
     p.add_argument("--startup-timeout", type=float, default=600.0,
                    help="seconds to wait for the workers to load the model (default %(default)s)")
     p.add_argument("--serve", action="store_true",
@@ -170,7 +176,8 @@ def _prepare_model(model: str) -> None:
 
 def run_demo(args: argparse.Namespace) -> int:
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="disagg-demo-"))
-    extra = ["--device", args.device, "--served-model-name", args.served_model_name, "--max-model-len", "1024"]
+    extra = ["--device", args.device, "--dtype", args.dtype, "--served-model-name", args.served_model_name,
+             "--max-model-len", "1024"]
     print(f"disagg demo: {args.model}, one prefill and one decode on 127.0.0.1 (logs in {log_dir})", flush=True)
     previous_handler = signal.signal(signal.SIGINT, _CTRL_C)
     try:

@@ -115,7 +115,7 @@ def test_an_engine_on_grid_weights_decodes_as_the_float32_path(tiny_model: Calla
                 module.weight.copy_(snap_to_grid(module.weight, GridFormat.Q4_1))
         embedding = loaded.model.model.embed_tokens.weight
         embedding.copy_(snap_to_grid(embedding, GridFormat.Q8_0))
-    engine = LLMEngine(EngineConfig(model=path, device="cpu", num_kv_blocks=32, block_size=4), loaded)
+    engine = LLMEngine(EngineConfig(model=path, device="cpu", dtype="float32", num_kv_blocks=32, block_size=4), loaded)
     model = engine.model_runner.model
     layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
     assert model.lm_head.grid is not None and model.lm_head.grid.format is GridFormat.Q8_0

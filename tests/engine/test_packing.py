@@ -56,11 +56,18 @@ def test_packing_replaces_every_linear_and_keeps_the_logits(tiny_model: Callable
 @pytest.mark.parametrize("pack", [True, False])
 def test_engine_packs_cpu_weights_unless_told_not_to(tiny_model: Callable[..., Path], pack: bool) -> None:
     path = str(tiny_model("llama"))
-    config = EngineConfig(model=path, device="cpu", num_kv_blocks=8, pack_cpu_weights=pack)
+    config = EngineConfig(model=path, device="cpu", dtype="float32", num_kv_blocks=8, pack_cpu_weights=pack)
     engine = LLMEngine(config, load_model(path, torch.float32, CPU))
     packed = [m for m in engine.model_runner.model.modules() if isinstance(m, PackedLinear)]
     # per layer qkv, o, gate_up, down; plus the untied head
     assert len(packed) == (4 * engine.model_config.num_layers + 1 if pack else 0)
+
+
+def test_an_engine_refuses_a_model_loaded_in_another_dtype(tiny_model: Callable[..., Path]) -> None:
+    path = str(tiny_model("llama"))
+    with pytest.raises(ValueError, match=r"loaded in torch.float32, the engine runs torch.bfloat16"):
+        LLMEngine(EngineConfig(model=path, device="cpu", dtype="bfloat16", num_kv_blocks=8),
+                  load_model(path, torch.float32, CPU))
 
 
 def test_packing_is_cpu_only() -> None:

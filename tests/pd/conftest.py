@@ -44,11 +44,14 @@ from disagg.workers.security.key import ClusterKey
 torch.set_num_threads(1)
 BLOCK_SIZE = 4
 NUM_KV_BLOCKS = 128
+# These tests hold PD, migration and the mixed role to the same tokens, which fp32 gives whatever the batch;
+# bf16 (`auto` on a CPU with native bf16) rounds by the batch's shape on AMX, and drifts within its tolerance.
+DTYPE = "float32"
 CLUSTER_KEY = ClusterKey.generate()  # every worker of these tests, and their clients, share it
 
 
 def engine_config(model: Path, **overrides: Any) -> EngineConfig:
-    settings: dict[str, Any] = dict(model=str(model), device="cpu", block_size=BLOCK_SIZE,
+    settings: dict[str, Any] = dict(model=str(model), device="cpu", dtype=DTYPE, block_size=BLOCK_SIZE,
                                     num_kv_blocks=NUM_KV_BLOCKS, max_model_len=256)
     settings.update(overrides)
     return EngineConfig(**settings)
@@ -173,8 +176,9 @@ def kit() -> type[Kit]:
 SERVED_NAME = "tiny"
 PROCESS_STARTUP_S = 180.0
 # Room for a few long requests at once (a 400-token request takes 100 blocks).
-PROCESS_ENGINE_ARGS = ("--device", "cpu", "--block-size", str(BLOCK_SIZE), "--num-kv-blocks", "512",
-                       "--max-model-len", "512", "--max-num-seqs", "16", "--served-model-name", SERVED_NAME)
+PROCESS_ENGINE_ARGS = ("--device", "cpu", "--dtype", DTYPE, "--block-size", str(BLOCK_SIZE),
+                       "--num-kv-blocks", "512", "--max-model-len", "512", "--max-num-seqs", "16",
+                       "--served-model-name", SERVED_NAME)
 
 
 def wait_until(predicate: Callable[[], bool], what: str, timeout: float = 20.0) -> None:

@@ -55,6 +55,10 @@ class PromptTooLarge(RuntimeError):
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel, tokenizer: Tokenizer | None = None) -> None:
+        model_dtype = next(loaded.model.parameters()).dtype
+        if model_dtype != config.torch_dtype:  # the KV pool takes the config's dtype: the two must meet
+            raise ValueError(f"the model was loaded in {model_dtype}, the engine runs {config.torch_dtype} "
+                             f"(dtype {config.dtype!r})")
         self.config = config
         self.model_config = loaded.config
         self.tokenizer = tokenizer
