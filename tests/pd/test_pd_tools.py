@@ -23,7 +23,7 @@ from disagg.workers.engine.config import EngineConfig
 from disagg.workers.http.backend import Backend, LocalEngineBackend
 
 CONTEXT = 2048  # the tool listing makes long prompts with the tiny tokenizer
-ENGINE: dict[str, Any] = {"max_model_len": CONTEXT, "num_kv_blocks": 1024}
+ENGINE: dict[str, Any] = {"max_model_len": CONTEXT, "num_kv_blocks": 1024, "dtype": "float32"}  # as pd_pair's
 FLIGHT_ARGS: dict[str, Any] = {
     "type": "object",
     "properties": {

@@ -29,7 +29,8 @@ import pytest
 from disagg.workers.engine.config import EngineConfig
 from disagg.workers.http.backend import Backend, LocalEngineBackend
 
-ENGINE: dict[str, Any] = {"num_kv_blocks": 2048, "max_model_len": 512}  # 25 requests at once, never preempted
+# 25 requests at once, never preempted; fp32 as pd_pair's, so the mixed engine's tokens are PD's on an AMX CPU too
+ENGINE: dict[str, Any] = {"num_kv_blocks": 2048, "max_model_len": 512, "dtype": "float32"}
 BATCH = 25
 MAX_TOKENS = 200
 
