@@ -103,8 +103,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     eng.add_argument("--max-num-seqs", type=int, default=_default(e, "max_num_seqs"),
                      help="sequences in one batch (default %(default)s)")
     eng.add_argument("--max-num-batched-tokens", type=int, default=None,
-                     help=f"token budget of one engine step (default: {PREFILL_CPU_STEP_TOKENS} for a prefill on a CPU, "
-                          f"else {_default(e, 'max_num_batched_tokens')})")
+                     help=f"token budget of one engine step (default: {_default(e, 'max_num_batched_tokens')}; a prefill "
+                          f"on a CPU takes {PREFILL_CPU_STEP_TOKENS}, with --cpu-turn-dir only while a decode "
+                          "has requests)")
     eng.add_argument("--max-model-len", type=int, default=_default(e, "max_model_len"),
                      help="context length served (default: the model's)")
     eng.add_argument("--threads", type=int, default=_default(s, "threads"),
@@ -167,7 +168,7 @@ def build_configs(args: argparse.Namespace, env: Mapping[str, str] | None = None
     )
     budget = args.max_num_batched_tokens
     engine = dataclasses.replace(engine, max_num_batched_tokens=(
-        budget if budget is not None else default_step_tokens(Role(args.role), engine)))
+        budget if budget is not None else default_step_tokens(Role(args.role), engine, args.cpu_turn_dir is not None)))
     server = ServerConfig(
         role=Role(args.role),
         host=args.host,

@@ -193,7 +193,7 @@ def default_kv_connections(cpus: int | None = None) -> int:
 PREFILL_CPU_STEP_TOKENS = 512
 
 
-def default_step_tokens(role: Role, engine: EngineConfig) -> int:
+def default_step_tokens(role: Role, engine: EngineConfig, cpu_turns: bool = False) -> int:
     """The token budget of one engine step when --max-num-batched-tokens is not given.
 
     A prefill on a CPU takes PREFILL_CPU_STEP_TOKENS: its steps compute prompts
@@ -203,9 +203,12 @@ def default_step_tokens(role: Role, engine: EngineConfig) -> int:
     985 ms alone; docs/benchmarks.md), so a larger step adds no throughput, only
     first-token latency. A mixed worker or a decode keeps the engine's default:
     its decodes ride in its steps. A GPU does too: it needs large steps to fill.
+    A prefill taking turns with a decode on shared CPUs (`cpu_turns`) keeps the
+    engine's default too: its turns narrow its steps to PREFILL_CPU_STEP_TOKENS
+    only while a decode has requests (workers/pd/cpu_turns.py says why).
     """
-    on_cpu = engine.torch_device.type == "cpu"
-    return PREFILL_CPU_STEP_TOKENS if role is Role.PREFILL and on_cpu else engine.max_num_batched_tokens
+    small = role is Role.PREFILL and engine.torch_device.type == "cpu" and not cpu_turns
+    return PREFILL_CPU_STEP_TOKENS if small else engine.max_num_batched_tokens
 
 
 def default_threads(cpus: int | None = None) -> int:

@@ -368,16 +368,21 @@ async def test_a_call_cancelled_before_it_runs_still_runs_and_the_engine_lives_o
 
 
 class HeldGate:
-    """A step gate that stays closed until opened, counting what the loop asked of it."""
+    """A step gate that stays closed until opened, counting what the loop asked of it; its
+    steps take at most `cap` tokens."""
 
-    def __init__(self) -> None:
+    def __init__(self, cap: int) -> None:
         self.open = threading.Event()
         self.asked = self.steps = self.idles = 0
+        self.cap = cap
 
     def may_step(self, requests: int) -> bool:
         assert requests == 1  # the one request of the test below, waiting
         self.asked += 1
         return self.open.is_set()
+
+    def step_tokens(self) -> int:
+        return self.cap
 
     def after_step(self) -> None:
         self.steps += 1
@@ -387,7 +392,7 @@ class HeldGate:
 
 
 async def test_a_closed_step_gate_holds_the_steps_but_not_the_commands(make_engine: MakeEngine) -> None:
-    engine, gate = AsyncEngine(make_engine()), HeldGate()
+    engine, gate = AsyncEngine(make_engine()), HeldGate(cap=4)
     engine.set_step_gate(gate)
     engine.start()
     prompt = prompts(1, [6], seed=4)[0]
@@ -412,7 +417,9 @@ async def test_a_closed_step_gate_holds_the_steps_but_not_the_commands(make_engi
                 break
             await asyncio.sleep(0.02)
         assert gate.idles > idles
-        assert gate.steps >= len(expected)  # each step was followed by after_step, before the loop idled
+        # Each step was followed by after_step, before the loop idled; the 6-token prompt ran in
+        # two steps of at most 4 tokens, then a step per later token.
+        assert gate.steps == 2 + len(expected) - 1
     finally:
         assert await asyncio.to_thread(engine.shutdown, 30)
 

@@ -25,9 +25,9 @@ def make_request(rid: str, num_prompt: int, max_tokens: int = 4) -> Request:
     return Request(rid, tokens, SamplingParams(max_tokens=max_tokens), block_size=BLOCK)
 
 
-def step(scheduler: Scheduler) -> SchedulerOutput:
+def step(scheduler: Scheduler, max_tokens: int | None = None) -> SchedulerOutput:
     """One engine step with a fake model: finish requests at max_tokens."""
-    output = scheduler.schedule()
+    output = scheduler.schedule(max_tokens)
     sampling = output.sample_mask
     scheduler.update(output)
     for request, samples in zip(output.requests, sampling):
@@ -74,6 +74,15 @@ def test_token_budget_chunks_a_long_prompt(scheduler: Scheduler) -> None:
     # Only the chunk that reaches the prompt's end samples.
     assert request.num_output_tokens == 2
     assert all(o.num_tokens <= 16 for o in outputs)
+
+
+def test_a_steps_cap_narrows_the_budget_and_never_widens_it() -> None:
+    s = make_scheduler(budget=16)
+    for rid in "abc":
+        s.add(make_request(rid, 8, max_tokens=1))
+    assert step(s, max_tokens=8).num_new_tokens == [8]  # one prompt fits the cap
+    assert step(s, max_tokens=64).num_new_tokens == [8, 8]  # the configured 16 still bounds it
+    assert not s.has_unfinished_requests
 
 
 def test_decodes_go_before_prompt_chunks() -> None:

@@ -89,11 +89,14 @@ def test_cpu_turns_come_from_the_flags(tmp_path: Path) -> None:
     ("prefill", "cuda", None, EngineConfig.max_num_batched_tokens),  # a GPU needs large steps to fill
     ("prefill", "cpu", "4096", 4096),  # the flag wins
     ("mixed", "cpu", "100", 100),
+    ("prefill turns", "cpu", None, EngineConfig.max_num_batched_tokens),  # its turns narrow it while decodes run
 ])
 def test_the_step_budget_follows_the_role_unless_given(role: str, device: str, flag: str | None, budget: int) -> None:
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
     given = [] if flag is None else ["--max-num-batched-tokens", flag]
+    role, _, turns = role.partition(" ")
+    given += ["--cpu-turn-dir", "turns"] if turns else []
     engine, _ = build_configs(parser.parse_args(["--role", role, "--model", "x", "--device", device, "--insecure",
                                                  *given]), env={})
     assert engine.max_num_batched_tokens == budget

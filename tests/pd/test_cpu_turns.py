@@ -68,6 +68,24 @@ def test_a_prefill_waits_for_the_decode_step_in_progress_and_then_goes_first(tmp
     prefill.idle()
 
 
+def test_a_prefill_takes_small_steps_only_while_a_decode_has_requests(tmp_path: Path) -> None:
+    """A wave of prompts while no decode runs goes in one step, as a mixed worker's would;
+    beside a decode's requests, the prefill's steps narrow to its cap."""
+    prefill, decode = PrefillTurns(tmp_path, busy_step_tokens=512), DecodeTurns(tmp_path, LONG_WAIT_S)
+    assert prefill.may_step(8)
+    assert prefill.step_tokens() is None  # no decode has requests: the engine's whole budget
+    prefill.after_step()
+    decode.may_step(2)  # the first prompts' decodes begin (whether it steps now does not matter)
+    assert prefill.step_tokens() == 512
+    decode.idle()  # its requests ended
+    assert prefill.step_tokens() is None
+    assert PrefillTurns(tmp_path).step_tokens() is None  # no cap: never narrowed
+    assert decode.step_tokens() is None
+    prefill.idle()
+    with pytest.raises(ValueError, match="must be positive"):
+        PrefillTurns(tmp_path, busy_step_tokens=0)
+
+
 def test_a_dead_workers_turn_is_dropped(tmp_path: Path) -> None:
     """The kernel drops flock(2) locks with their process: a prefill that died holding the
     turn does not hold up the decode."""

@@ -111,6 +111,10 @@ class StepGate(Protocol):
         step would serve (running and waiting); must not block."""
         ...
 
+    def step_tokens(self) -> int | None:
+        """A cap on the next step's tokens, asked when `may_step` said yes; None: the engine's budget."""
+        ...
+
     def after_step(self) -> None: ...
 
     def idle(self) -> None:
@@ -121,6 +125,9 @@ class StepGate(Protocol):
 class _OpenGate:
     def may_step(self, requests: int) -> bool:
         return True
+
+    def step_tokens(self) -> int | None:
+        return None
 
     def after_step(self) -> None:
         pass
@@ -350,7 +357,7 @@ class AsyncEngine(Generic[E]):
 
     def _step(self) -> None:
         try:
-            outputs = self.engine.step()
+            outputs = self.engine.step(self._gate.step_tokens())
         except Exception as exc:
             # A failed step leaves its requests in an unknown state: fail and
             # drop them all (freeing their blocks), and keep serving new ones.

@@ -235,8 +235,9 @@ class LLMEngine:
 
     # --- the loop -----------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        scheduled = self.scheduler.schedule()
+    def step(self, max_tokens: int | None = None) -> list[RequestOutput]:
+        """One step of at most `max_tokens` tokens (None: the configured budget)."""
+        scheduled = self.scheduler.schedule(max_tokens)
         on_layer_written = self.layer_hook(scheduled) if self.layer_hook and not scheduled.is_empty else None
         sampled = self.model_runner.execute(scheduled, on_layer_written)
         self.scheduler.update(scheduled)

@@ -117,8 +117,9 @@ class Scheduler:
         assert request.status is RequestStatus.HELD, f"{request} is not held"
         self._retire(request, RequestStatus.FINISHED_STOPPED)
 
-    def schedule(self) -> SchedulerOutput:
-        budget = self.max_num_batched_tokens
+    def schedule(self, max_tokens: int | None = None) -> SchedulerOutput:
+        """The next step's batch, within the budget or `max_tokens` if smaller."""
+        budget = self.max_num_batched_tokens if max_tokens is None else min(max_tokens, self.max_num_batched_tokens)
         scheduled: dict[Request, int] = {}  # insertion-ordered: the batch order
         preempted: list[Request] = []
 

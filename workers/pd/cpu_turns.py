@@ -6,13 +6,15 @@ demo`, the benchmarks, a single-node setup) have no such order: a decode step
 that runs while the prefill computes prompts slows both, and every queued
 prompt's first token waits (issue 18: PD's TTFT 1.5-2.4x the mixed worker's at
 concurrency 32 on 2 cores). With `--cpu-turn-dir DIR` on both, they take turns
-through two flock(2) locks in DIR, which the kernel drops when a worker dies:
+through three flock(2) locks in DIR, which the kernel drops when a worker dies:
 
 - `prompts`, held shared by a prefill from its first step until it is idle,
   with the number of requests it holds written in it; a decode tests the lock
   and reads the number before each step;
 - `steps`, held shared by a prefill across those steps, and exclusively by a
-  decode for one step.
+  decode for one step;
+- `decodes`, held shared by a decode while it has requests; a prefill tests it
+  before each step.
 
 The rule, per decode step:
 
@@ -31,6 +33,17 @@ Prompts always first, with only the bound for the decode, was measured and
 not kept: it cures TTFT at concurrency 32 but moves the cost to TPOT and gives
 up most of the third rule's protection (docs/benchmarks.md, "Prompts first
 with a bounded wait").
+
+A prefill's step size follows the decodes. While a decode has requests, the
+prefill's steps are small (`busy_step_tokens`): prompts queued behind a step
+get their first tokens sooner, and a decode running more requests than the
+prefill holds steps between them. While no decode has requests, a step takes
+every waiting prompt, up to the engine's budget, as a mixed worker's step does:
+split into small steps, a wave of prompts arriving together would give its
+first prompts a token early and then hold their streams for seconds while the
+rest of the wave is computed (a decode running fewer requests than the prefill
+holds waits for the prompts), which is what PD exists to avoid
+(docs/benchmarks.md, "A prefill's step size follows the decodes").
 
 A prefill waits at most `PREFILL_WAIT_S` for a decode's step to end. The engine
 loop asks `may_step()` between looks at its command queue, so commands (a
@@ -72,9 +85,9 @@ class _Lock:
             self.held = False
 
 
-def _locks(folder: Path) -> tuple[_Lock, _Lock]:
+def _locks(folder: Path) -> tuple[_Lock, _Lock, _Lock]:
     folder.mkdir(parents=True, exist_ok=True)
-    return _Lock(folder / "prompts"), _Lock(folder / "steps")
+    return _Lock(folder / "prompts"), _Lock(folder / "steps"), _Lock(folder / "decodes")
 
 
 class _Waiting:
@@ -95,12 +108,16 @@ class _Waiting:
 
 
 class PrefillTurns:
-    """A prefill's side: it keeps the turn from its first step until it is idle."""
+    """A prefill's side: it keeps the turn from its first step until it is idle, and takes
+    steps of at most `busy_step_tokens` while a decode has requests (None: no such cap)."""
 
-    def __init__(self, folder: Path) -> None:
-        self._prompts, self._steps = _locks(folder)
+    def __init__(self, folder: Path, busy_step_tokens: int | None = None) -> None:
+        if busy_step_tokens is not None and busy_step_tokens < 1:
+            raise ValueError(f"a prefill's step while decodes run must be positive, got {busy_step_tokens}")
+        self._prompts, self._steps, self._decodes = _locks(folder)
         self._waiting = _Waiting(PREFILL_WAIT_S)
         self._published: int | None = None
+        self._busy_step_tokens = busy_step_tokens
 
     def may_step(self, requests: int) -> bool:
         self._publish(requests)
@@ -111,6 +128,12 @@ class PrefillTurns:
             self._waiting.reset()
             return True
         return False
+
+    def step_tokens(self) -> int | None:
+        if self._busy_step_tokens is None or not self._decodes.take(fcntl.LOCK_EX):
+            return self._busy_step_tokens  # a decode has requests (or no cap is set)
+        self._decodes.release()
+        return None
 
     def after_step(self) -> None:
         """Kept across steps: the next prompt step follows at once."""
@@ -133,10 +156,12 @@ class DecodeTurns:
     def __init__(self, folder: Path, wait_s: float = DEFAULT_DECODE_WAIT_S) -> None:
         if wait_s <= 0:
             raise ValueError(f"a decode's wait for its turn must be positive, got {wait_s}")
-        self._prompts, self._steps = _locks(folder)
+        self._prompts, self._steps, self._decodes = _locks(folder)
         self._waiting = _Waiting(wait_s)
 
     def may_step(self, requests: int) -> bool:
+        if not self._decodes.held:  # fails only for the instant a prefill tests it: taken next step
+            self._decodes.take(fcntl.LOCK_SH)
         if self._prompts.take(fcntl.LOCK_EX):  # no prefill has work
             self._prompts.release()
             go = self._steps.take(fcntl.LOCK_EX)  # fails while another decode steps alone
@@ -147,11 +172,15 @@ class DecodeTurns:
             return True
         return False
 
+    def step_tokens(self) -> int | None:
+        return None
+
     def after_step(self) -> None:
         self._steps.release()
 
     def idle(self) -> None:
         self._steps.release()
+        self._decodes.release()
 
     def _prefill_requests(self) -> int:
         data = os.pread(self._prompts.fd, _COUNT.size, 0)
