@@ -130,10 +130,12 @@ class PrefillTurns:
         return False
 
     def step_tokens(self) -> int | None:
-        if self._busy_step_tokens is None or not self._decodes.take(fcntl.LOCK_EX):
-            return self._busy_step_tokens  # a decode has requests (or no cap is set)
-        self._decodes.release()
-        return None
+        if self._busy_step_tokens is None:
+            return None
+        if self._decodes.take(fcntl.LOCK_EX):  # no decode has requests
+            self._decodes.release()
+            return None
+        return self._busy_step_tokens
 
     def after_step(self) -> None:
         """Kept across steps: the next prompt step follows at once."""
