@@ -56,10 +56,35 @@ def test_rope_in_place_is_torch_to_the_bit_on_a_view_of_the_fused_rows() -> None
     assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], v_before)  # v untouched
 
 
+def test_bf16_rope_in_place_is_torch_to_the_bit() -> None:
+    """Each product and the sum rounded to bf16, as PyTorch's bf16 ops round them."""
+    tokens, heads, head_dim = 300, 12, 64  # enough values for the threaded path
+    x = (torch.randn(tokens, heads, head_dim) * 4).bfloat16()
+    cos, signed_sin = (t.bfloat16() for t in angles(tokens, head_dim))
+    expected = torch_rope(x, cos, signed_sin)
+    assert cpu_fused.serves_rope(x, cos, signed_sin)
+    assert torch.equal(apply_rope(x, cos, signed_sin), expected)
+
+
+@pytest.mark.parametrize("rows, width", [(1, 1536), (3, 13), (64, 1536)])
+def test_bf16_silu_mul_rounds_as_torch_does(rows: int, width: int) -> None:
+    """silu(gate) rounded to bf16, times up, rounded: torch's two bf16 ops. The exponential's
+    last-bit error may move a value across a bf16 rounding boundary, one ulp, rarely."""
+    gen = torch.Generator().manual_seed(rows * width)
+    gate_up = (torch.randn(rows, 2 * width, generator=gen) * 6).bfloat16()
+    got = cpu_fused.silu_mul(gate_up)
+    gate, up = gate_up.split(width, dim=-1)
+    expected = F.silu(gate) * up
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, width)
+    torch.testing.assert_close(got.float(), expected.float(), atol=0.0, rtol=2**-7)
+    assert (got == expected).float().mean() > 0.999
+
+
 def test_rope_leaves_other_dtypes_and_layouts_to_torch() -> None:
     cos, signed_sin = angles(5, 8)
     x = torch.randn(5, 3, 8)
-    assert not cpu_fused.serves_rope(x.bfloat16(), cos.bfloat16(), signed_sin.bfloat16())
+    assert not cpu_fused.serves_rope(x.half(), cos.half(), signed_sin.half())
+    assert not cpu_fused.serves_rope(x.bfloat16(), cos, signed_sin)  # mixed dtypes
     strided_heads = torch.randn(5, 3, 16)[..., ::2]
     assert not cpu_fused.serves_rope(strided_heads, cos, signed_sin)
     expected = torch_rope(strided_heads, cos, signed_sin)

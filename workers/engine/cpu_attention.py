@@ -20,7 +20,6 @@ from disagg.workers.engine import cpu_kernels
 
 SWITCH_ENV = "DISAGG_CPU_ATTENTION"  # "gather": never use the kernel
 PROFILE_LABEL = "disagg::paged_decode_cpu"
-_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 # The kernel's stack buffers (csrc/paged_decode.c); other shapes take the gather path.
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 32, 256, 256
 
@@ -33,7 +32,8 @@ _ARGTYPES: list[type] = [ctypes.c_void_p, ctypes.c_void_p, _i32_p, _i32_p, ctype
 def _kernels() -> dict[torch.dtype, cpu_kernels.Kernel] | None:
     if os.environ.get(SWITCH_ENV) == "gather":
         return None
-    found = {dtype: cpu_kernels.function(f"paged_decode_{name}", _ARGTYPES) for dtype, name in _DTYPES.items()}
+    found = {dtype: cpu_kernels.function(f"paged_decode_{suffix}", _ARGTYPES)
+             for dtype, suffix in cpu_kernels.DTYPE_SUFFIXES.items()}
     return {dtype: kernel for dtype, kernel in found.items() if kernel is not None} or None
 
 
@@ -48,7 +48,7 @@ def supports(cache: torch.Tensor, num_heads: int) -> bool:
     block_size, num_kv_heads, head_dim = cache.shape[-3:]
     shapes_fit = num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= MAX_GROUP \
         and head_dim <= MAX_HEAD_DIM and block_size <= MAX_BLOCK
-    return cache.device.type == "cpu" and cache.dtype in _DTYPES and shapes_fit and is_available()
+    return cache.device.type == "cpu" and cache.dtype in cpu_kernels.DTYPE_SUFFIXES and shapes_fit and is_available()
 
 
 def paged_decode_attention(q: torch.Tensor, layer_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -41,6 +41,8 @@ FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=256", "-ffp-contract=off
 SWITCH_ENV = "DISAGG_CPU_KERNELS"  # "off": PyTorch ops only
 _BUILD_TIMEOUT_S = 180.0
 Kernel = Callable[..., int]  # a C function with its argtypes set; returns its status code
+# The element types the kernels take, by the suffix of their C names.
+DTYPE_SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
 def kernel_dir() -> Path:

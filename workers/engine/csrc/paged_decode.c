@@ -11,7 +11,10 @@
  * Built by workers/engine/cpu_attention.py with -O3 -fopenmp; the OpenMP
  * runtime is the one torch already loaded (same soname), so these threads are
  * torch's. The cache holds float32, or bfloat16 widened to float32 on load;
- * queries and the output are float32.
+ * queries and the output are float32. With AVX512-BF16, a bfloat16 cache's
+ * scores are dot products of bfloat16 pairs (VDPBF16PS), the query rounded to
+ * bfloat16: exact when the model runs in bfloat16, as it does whenever its
+ * cache does (the query is then a bfloat16 value widened).
  */
 #include <math.h>
 #include <stdint.h>
@@ -24,33 +27,30 @@
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK 256     /* tokens per block */
 
-/* q . k and acc += p * v over one cache row (float32 or bfloat16): with AVX2,
- * eight lanes at a time (GCC leaves these loops scalar once inlined into the
- * block walk), the rest one by one. */
+/* Scores (scale * q . k for each key row of a block) and acc += p * v over a
+ * block's value rows, for float32 or bfloat16 rows: vector loops where the
+ * CPU has them (below), then scalar loops for what they leave. */
 
-/* Each loop below keeps several independent accumulators: a single one makes
- * every FMA wait for the previous one's result (4 to 5 cycles), which made the
- * kernel latency-bound at a fifth of the machine's FMA rate. */
-#define LOAD8_f32(p) _mm256_loadu_ps(p)
-#define LOAD8_bf16(p) load8_bf16(p)
-
-#define DEFINE_DOT(SUFFIX, ELEM, SCALAR)                                                             \
-static inline float dot_##SUFFIX(const float *restrict q, const ELEM *restrict k, int n) {          \
-    int d = 0;                                                                                       \
-    float sum = 0.0f;                                                                                \
-    VECTOR_DOT(SUFFIX)                                                                               \
-    for (; d < n; d++) sum += q[d] * SCALAR(k[d]);                                                   \
-    return sum;                                                                                      \
+#define DEFINE_SCORES(SUFFIX, ELEM, SCALAR)                                                          \
+static inline void scores_##SUFFIX(const float *restrict q, const char *restrict keys, int tokens,  \
+                                   size_t token_bytes, int n, float scale, float *restrict out) {    \
+    int t = 0;                                                                                       \
+    VECTOR_SCORES_##SUFFIX                                                                           \
+    for (; t < tokens; t++) {                                                                        \
+        const ELEM *k = (const ELEM *)(keys + (size_t)t * token_bytes);                              \
+        float sum = 0.0f;                                                                            \
+        for (int d = 0; d < n; d++) sum += q[d] * SCALAR(k[d]);                                      \
+        out[t] = sum * scale;                                                                        \
+    }                                                                                                \
 }
 
-/* acc = acc * rescale + sum over t of w[t] * row t of `values` (rows token_bytes apart), 64 lanes
- * (8 registers) at a time while they last. */
+/* acc = acc * rescale + sum over t of w[t] * row t of `values` (rows token_bytes apart). */
 #define DEFINE_ACCUMULATE(SUFFIX, ELEM, SCALAR)                                                      \
 static inline void accumulate_##SUFFIX(float *restrict acc, float rescale, const float *restrict w, \
                                        const char *restrict values, int tokens, size_t token_bytes, \
                                        int n) {                                                      \
     int d = 0;                                                                                       \
-    VECTOR_ACCUMULATE(SUFFIX, ELEM)                                                                  \
+    VECTOR_ACCUMULATE_##SUFFIX                                                                       \
     for (; d < n; d++) {                                                                             \
         float sum = acc[d] * rescale;                                                                \
         for (int t = 0; t < tokens; t++) sum += w[t] * SCALAR(((const ELEM *)(values + t * token_bytes))[d]); \
@@ -59,17 +59,33 @@ static inline void accumulate_##SUFFIX(float *restrict acc, float rescale, const
 }
 
 #if VECTOR_LANES
-#define VECTOR_DOT(SUFFIX)                                                                           \
-    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();                                      \
-    __m256 s2 = _mm256_setzero_ps(), s3 = _mm256_setzero_ps();                                      \
-    for (; d + 32 <= n; d += 32) {                                                                   \
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), LOAD8_##SUFFIX(k + d), s0);                     \
-        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), LOAD8_##SUFFIX(k + d + 8), s1);             \
-        s2 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 16), LOAD8_##SUFFIX(k + d + 16), s2);           \
-        s3 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 24), LOAD8_##SUFFIX(k + d + 24), s3);           \
-    }                                                                                                \
-    for (; d + 8 <= n; d += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), LOAD8_##SUFFIX(k + d), s0); \
-    sum = horizontal_sum(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
+#define LOAD8_f32(p) _mm256_loadu_ps(p)
+#define LOAD8_bf16(p) load8_bf16(p)
+
+/* 8 vectors -> one whose lane i is the sum of v[i]'s lanes. */
+static inline __m256 sum_each8(const __m256 v[8]) {
+    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+/* Eight keys at a time: a vector of partial sums per key, then one transposing
+ * sum for the eight (a horizontal sum per key would be a chain of shuffles each,
+ * waited on one after another). */
+#define VECTOR_SCORES(SUFFIX, ELEM)                                                                  \
+    for (; n % 8 == 0 && t + 8 <= tokens; t += 8) {                                                  \
+        __m256 part[8];                                                                              \
+        for (int i = 0; i < 8; i++) {                                                                \
+            const ELEM *k = (const ELEM *)(keys + (size_t)(t + i) * token_bytes);                    \
+            part[i] = _mm256_setzero_ps();                                                           \
+            for (int d = 0; d < n; d += 8)                                                           \
+                part[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), LOAD8_##SUFFIX(k + d), part[i]);   \
+        }                                                                                            \
+        _mm256_storeu_ps(out + t, _mm256_mul_ps(sum_each8(part), _mm256_set1_ps(scale)));            \
+    }
+
+/* 64 lanes (8 registers) at a time while they last, then 8: each register a
+ * chain of FMAs over the block's tokens, eight chains in flight. */
 #define VECTOR_ACCUMULATE(SUFFIX, ELEM)                                                              \
     const __m256 r = _mm256_set1_ps(rescale);                                                        \
     for (; d + 64 <= n; d += 64) {                                                                   \
@@ -89,16 +105,77 @@ static inline void accumulate_##SUFFIX(float *restrict acc, float rescale, const
                                 LOAD8_##SUFFIX((const ELEM *)(values + t * token_bytes) + d), a);    \
         _mm256_storeu_ps(acc + d, a);                                                                \
     }
+#define VECTOR_SCORES_f32 VECTOR_SCORES(f32, float)
+#define VECTOR_ACCUMULATE_f32 VECTOR_ACCUMULATE(f32, float)
 #else
-#define VECTOR_DOT(SUFFIX)
-#define VECTOR_ACCUMULATE(SUFFIX, ELEM)
+#define VECTOR_SCORES_f32
+#define VECTOR_ACCUMULATE_f32
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+/* bfloat16 keys: 32 pairs per VDPBF16PS, no widening; the two halves of each
+ * key's partial sums folded to 8 lanes for sum_each8. */
+#define VECTOR_SCORES_bf16                                                                           \
+    if (n % 32 == 0) {                                                                               \
+        __m512bh query[MAX_HEAD_DIM / 32];                                                           \
+        for (int c = 0; c < n / 32; c++)                                                             \
+            query[c] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + 32 * c + 16), _mm512_loadu_ps(q + 32 * c)); \
+        for (; t + 8 <= tokens; t += 8) {                                                            \
+            __m256 part[8];                                                                          \
+            for (int i = 0; i < 8; i++) {                                                            \
+                const char *k = keys + (size_t)(t + i) * token_bytes;                                \
+                __m512 sum = _mm512_setzero_ps();                                                    \
+                for (int c = 0; c < n / 32; c++)                                                     \
+                    sum = _mm512_dpbf16_ps(sum, query[c], (__m512bh)_mm512_loadu_si512(k + 64 * c)); \
+                part[i] = _mm256_add_ps(_mm512_castps512_ps256(sum),                                 \
+                                        _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sum), 1))); \
+            }                                                                                        \
+            _mm256_storeu_ps(out + t, _mm256_mul_ps(sum_each8(part), _mm256_set1_ps(scale)));        \
+        }                                                                                            \
+    }
+
+/* bfloat16 values widened 16 at a time into 512-bit accumulators: half the
+ * instructions of 8-lane vectors, where widening costs as much as the FMA. */
+static inline __m512 load16_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+#define VECTOR_ACCUMULATE_bf16                                                                       \
+    const __m512 r = _mm512_set1_ps(rescale);                                                        \
+    for (; d + 64 <= n; d += 64) {                                                                   \
+        __m512 a[4];                                                                                 \
+        for (int j = 0; j < 4; j++) a[j] = _mm512_mul_ps(_mm512_loadu_ps(acc + d + 16 * j), r);      \
+        for (int t = 0; t < tokens; t++) {                                                           \
+            const uint16_t *v = (const uint16_t *)(values + t * token_bytes) + d;                    \
+            const __m512 p = _mm512_set1_ps(w[t]);                                                   \
+            for (int j = 0; j < 4; j++) a[j] = _mm512_fmadd_ps(p, load16_bf16(v + 16 * j), a[j]);    \
+        }                                                                                            \
+        for (int j = 0; j < 4; j++) _mm512_storeu_ps(acc + d + 16 * j, a[j]);                        \
+    }
+#elif VECTOR_LANES
+#define VECTOR_SCORES_bf16 VECTOR_SCORES(bf16, uint16_t)
+#define VECTOR_ACCUMULATE_bf16 VECTOR_ACCUMULATE(bf16, uint16_t)
+#else
+#define VECTOR_SCORES_bf16
+#define VECTOR_ACCUMULATE_bf16
 #endif
 
 #define AS_FLOAT(x) (x)
-DEFINE_DOT(f32, float, AS_FLOAT)
-DEFINE_DOT(bf16, uint16_t, bf16_to_float)
+DEFINE_SCORES(f32, float, AS_FLOAT)
+DEFINE_SCORES(bf16, uint16_t, bf16_to_float)
 DEFINE_ACCUMULATE(f32, float, AS_FLOAT)
 DEFINE_ACCUMULATE(bf16, uint16_t, bf16_to_float)
+
+/* Asks for the K and V rows of a block's `tokens` (each `bytes` long) while the block before is
+ * computed: blocks lie anywhere in the cache, too short for the hardware's stride prefetcher to
+ * find them, and without this every row's first load waited for memory. */
+static inline void prefetch_rows(const char *keys, int tokens, size_t token_bytes, size_t bytes, size_t half_block) {
+    for (int t = 0; t < tokens; t++)
+        for (size_t offset = 0; offset < bytes; offset += 64) {
+            __builtin_prefetch(keys + t * token_bytes + offset);
+            __builtin_prefetch(keys + half_block + t * token_bytes + offset);
+        }
+}
 
 /* One task: a sequence's query heads of KV heads [first, first + span); q and
  * out point at the first of those query heads. Per block: the block's key rows
@@ -126,14 +203,17 @@ static inline __attribute__((always_inline)) void attend(
         const int tokens = context - start < block_size ? context - start : block_size;
         const char *keys = cache + (size_t)table[start / block_size] * 2 * half_block + (size_t)first * head_bytes;
         const char *values = keys + half_block;
-        for (int t = 0; t < tokens; t++)
-            for (int r = 0; r < rows; r++) {
-                const char *k = keys + t * token_bytes + (size_t)(r / group) * head_bytes;
-                const float *qr = q + (size_t)r * head_dim;
-                const float dot = bf16 ? dot_bf16(qr, (const uint16_t *)k, head_dim)
-                                       : dot_f32(qr, (const float *)k, head_dim);
-                weights[r][t] = dot * scale;
-            }
+        if (start + block_size < context) {
+            const int next_tokens = context - start - block_size < block_size ? context - start - block_size : block_size;
+            prefetch_rows(cache + (size_t)table[start / block_size + 1] * 2 * half_block + (size_t)first * head_bytes,
+                          next_tokens, token_bytes, (size_t)span * head_bytes, half_block);
+        }
+        for (int r = 0; r < rows; r++) {
+            const char *k = keys + (size_t)(r / group) * head_bytes;
+            const float *qr = q + (size_t)r * head_dim;
+            if (bf16) scores_bf16(qr, k, tokens, token_bytes, head_dim, scale, weights[r]);
+            else scores_f32(qr, k, tokens, token_bytes, head_dim, scale, weights[r]);
+        }
         for (int r = 0; r < rows; r++) {
             float *w = weights[r];
             float block_max = row_max[r];

@@ -1,8 +1,10 @@
-/* RMSNorm of float32 rows: out = x * (1 / sqrt(mean(x^2) + eps)) * weight, as the
- * reference models compute it (each product rounded; this file is built with
- * -ffp-contract=off), the sum of squares in vector lanes. One call instead of
- * the seven ops PyTorch's float32 rms_norm dispatches (~60 us a row on a decode
- * step's single row, for 576 values). */
+/* RMSNorm of float32 or bfloat16 rows: out = x * (1 / sqrt(mean(x^2) + eps)) * weight,
+ * as the reference models compute it (each product rounded; this file is built
+ * with -ffp-contract=off), the sum of squares in vector lanes. One call instead
+ * of the seven ops PyTorch's float32 rms_norm dispatches (~60 us a row on a
+ * decode step's single row, for 576 values). In bfloat16 the reference models
+ * work in float32, round x * inverse to bfloat16, then multiply by the
+ * bfloat16 weight and round again: so does rms_norm_bf16. */
 #include <math.h>
 #include <stddef.h>
 
@@ -34,5 +36,22 @@ void rms_norm_f32(const float *x, const float *weight, float eps, float *out, in
         float *yr = out + (size_t)r * dim;
         const float inverse = 1.0f / sqrtf(sum_of_squares(xr, dim) / (float)dim + eps);
         for (int i = 0; i < dim; i++) yr[i] = weight[i] * (xr[i] * inverse);
+    }
+}
+
+/* x, out [rows, dim] bfloat16 (out may be x), weight [dim] bfloat16. */
+void rms_norm_bf16(const uint16_t *x, const uint16_t *weight, float eps, uint16_t *out, int rows, int dim,
+                   int threads) {
+    #pragma omp parallel for if(rows >= PARALLEL_ROWS) num_threads(threads)
+    for (int r = 0; r < rows; r++) {
+        const uint16_t *xr = x + (size_t)r * dim;
+        uint16_t *yr = out + (size_t)r * dim;
+        float sum = 0.0f;
+        #pragma omp simd reduction(+:sum)
+        for (int i = 0; i < dim; i++) sum += bf16_to_float(xr[i]) * bf16_to_float(xr[i]);
+        const float inverse = 1.0f / sqrtf(sum / (float)dim + eps);
+        #pragma omp simd
+        for (int i = 0; i < dim; i++)
+            yr[i] = float_to_bf16(bf16_to_float(weight[i]) * round_bf16(bf16_to_float(xr[i]) * inverse));
     }
 }

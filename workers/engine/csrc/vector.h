@@ -32,6 +32,16 @@ static inline float bf16_to_float(uint16_t h) {
     return v.f;
 }
 
+/* x rounded to the nearest bfloat16, ties to even, as PyTorch rounds (NaN stays NaN). */
+static inline uint16_t float_to_bf16(float x) {
+    union { float f; uint32_t u; } v = { .f = x };
+    const uint16_t rounded = (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);
+    return x != x ? (uint16_t)0x7FC0 : rounded;
+}
+
+/* x rounded to bfloat16 and widened back: a bfloat16 op's result, for the next op to take. */
+static inline float round_bf16(float x) { return bf16_to_float(float_to_bf16(x)); }
+
 #ifdef __AVX2__
 #include <immintrin.h>
 #define VECTOR_LANES 8

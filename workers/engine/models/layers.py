@@ -19,8 +19,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # In fp32 both equal the reference models up to the summation order; in
-        # bf16/fp16 F.rms_norm accumulates in fp32 and may differ by the last rounding.
+        # In fp32 and bf16 the kernel equals the reference models up to the summation
+        # order; in fp16 F.rms_norm accumulates in fp32 and may differ by the last rounding.
         if cpu_norm.serves(x, self.weight):
             return cpu_norm.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
@@ -62,7 +62,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     """x: [T, heads, hd]; rotates each pair (i, i + hd/2) by its position's angle:
     [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin] = x * cos + [x2, x1] * [-sin, sin].
 
-    NOTE: on a CPU in float32 the rotation is done in place (cpu_fused.rope_),
+    NOTE: on a CPU in float32 or bfloat16 the rotation is done in place (cpu_fused.rope_),
     so x's values are lost; the result is returned either way."""
     if cpu_fused.serves_rope(x, cos, signed_sin):
         return cpu_fused.rope_(x, cos, signed_sin)
