@@ -12,7 +12,7 @@ round summarised per thread:
   asyncio...).
 
     .venv/bin/python benchmarks/profile_serving.py [--concurrency 32] [--prompt-tokens 16] [--max-tokens 128] \\
-        [--rounds 2] [--pyspy]        # --pyspy needs `pip install py-spy` and ptrace rights on the worker
+        [--rounds 2] [--dtype auto] [--pyspy]        # --pyspy needs `pip install py-spy` and ptrace rights on the worker
 """
 
 from __future__ import annotations
@@ -97,6 +97,7 @@ def main() -> int:
     p.add_argument("--prompt-tokens", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--dtype", default="auto", help="the worker's --dtype (default: auto)")
     p.add_argument("--pyspy", action="store_true", help="profile the last round with py-spy")
     p.add_argument("--top", type=int, default=8, help="entries per list in the profile summary")
     args = p.parse_args()
@@ -104,7 +105,7 @@ def main() -> int:
     raw = logs / "pyspy.txt"
     print(f"{args.concurrency} streams x {args.prompt_tokens} prompt tokens x {args.max_tokens} output tokens; "
           f"logs in {logs}", flush=True)
-    with running_mixed(args.model, logs, ["--served-model-name", SERVED]) as worker:
+    with running_mixed(args.model, logs, ["--served-model-name", SERVED, "--dtype", args.dtype]) as worker:
         prompts = Prompts(20000)
         wave(worker, prompts, args.prompt_tokens, 4, 8)  # warm-up
         pid = worker.process.pid
