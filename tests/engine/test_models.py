@@ -210,10 +210,15 @@ def test_bf16_follows_fp32(tiny_model: Callable[..., Path], models: Callable, pa
     ids = prompt(9, seed=3)
     c = half.config
     cache = paged_cache(c.num_layers, c.num_kv_heads, c.head_dim, block_size=4, num_blocks=16, dtype=torch.bfloat16)
+    fp32_cache = new_cache(paged_cache, ours, 4)
     got = step(half, cache, {0: ids})
-    expected = step(ours, new_cache(paged_cache, ours, 4), {0: ids})
+    expected = step(ours, fp32_cache, {0: ids})
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, expected, atol=0.1, rtol=0.05)
+    # a decode step: on a CPU, bf16's paged decode kernel and elementwise kernels
+    next_token = [int(expected[-1].argmax())]
+    torch.testing.assert_close(step(half, cache, {0: next_token}), step(ours, fp32_cache, {0: next_token}),
+                               atol=0.1, rtol=0.05)
 
 
 @pytest.mark.gpu
