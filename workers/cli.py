@@ -103,22 +103,40 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def _set_openmp_wait_policy() -> None:
-    """Idle OpenMP threads sleep instead of spinning, unless the user chose a policy.
+# libgomp's spin count for a worker that owns its CPUs: iterations of a pause loop, tens of
+# milliseconds, so that its threads stay awake from one parallel region to the next during
+# steps and sleep once the worker is idle (docs/benchmarks.md, "OpenMP threads that own their CPUs").
+OWNED_CPUS_SPIN_COUNT = "1000000"
 
-    libgomp (torch's OpenMP on Linux) spins for a while after each parallel
-    region; two workers on the same cores (a prefill and a decode) then burn
-    each other's CPU time (docs/benchmarks.md). NOTE: libgomp reads these once,
-    when torch loads, so this runs before any subcommand imports it; the
-    workers `disagg demo` starts inherit it.
+
+def _owns_its_cpus(argv: Sequence[str]) -> bool:
+    """A mixed worker not taking CPU turns: the only compute on its CPUs, as far as it knows."""
+    mixed = any(a == "--role=mixed" or (a == "--role" and b == "mixed") for a, b in zip(argv, [*argv[1:], ""]))
+    return mixed and not any(a.split("=")[0] == "--cpu-turn-dir" for a in argv)
+
+
+def _set_openmp_wait_policy(argv: Sequence[str]) -> None:
+    """How idle OpenMP threads wait, unless the user chose (OMP_WAIT_POLICY or GOMP_SPINCOUNT).
+
+    A prefill and a decode on the same cores must not spin: libgomp's spinning
+    after each parallel region made them burn each other's CPU time, so they
+    sleep at once (PASSIVE). A mixed worker that owns its CPUs spins a while
+    instead: waking sleeping threads for each of a step's few hundred parallel
+    regions made its decode steps up to 1.45x slower (docs/benchmarks.md).
+    NOTE: libgomp reads these once, when torch loads, so this runs before any
+    subcommand imports it; the workers `disagg demo` starts inherit it.
     """
-    if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+        return
+    if _owns_its_cpus(argv):
+        os.environ["GOMP_SPINCOUNT"] = OWNED_CPUS_SPIN_COUNT
+    else:
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    _set_openmp_wait_policy()
+    _set_openmp_wait_policy(argv)
     # The first word that names a subcommand is the subcommand (no top-level option takes a value).
     command = next((a for a in argv if a in SUBCOMMANDS), None)
     parser = build_parser(command)

@@ -3,6 +3,8 @@ machine (KV connections, compute threads, OpenMP waiting); metric names; the fro
 
 from __future__ import annotations
 
+import contextlib
+
 import argparse
 import gc
 import os
@@ -170,18 +172,30 @@ def test_default_threads_follow_omp_num_threads(monkeypatch: pytest.MonkeyPatch)
             default_threads()
 
 
-@pytest.mark.parametrize(("given", "expected"), [
-    ({}, {"OMP_WAIT_POLICY": "PASSIVE"}),
-    ({"OMP_WAIT_POLICY": "ACTIVE"}, {"OMP_WAIT_POLICY": "ACTIVE"}),
-    ({"GOMP_SPINCOUNT": "300000"}, {"GOMP_SPINCOUNT": "300000", "OMP_WAIT_POLICY": None}),
+PASSIVE = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": None}
+SPINS = {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": cli.OWNED_CPUS_SPIN_COUNT}
+
+
+@pytest.mark.parametrize(("given", "argv", "expected"), [
+    ({}, [], PASSIVE),
+    ({}, ["serve", "--role", "prefill"], PASSIVE),
+    ({}, ["serve", "--role", "decode"], PASSIVE),
+    ({}, ["serve", "--role", "mixed"], SPINS),  # a mixed worker owns its CPUs
+    ({}, ["serve", "--role=mixed", "--model", "x"], SPINS),
+    ({}, ["serve", "--role", "mixed", "--cpu-turn-dir", "/tmp/t"], PASSIVE),  # it shares them, taking turns
+    ({}, ["serve", "--role", "mixed", "--cpu-turn-dir=/tmp/t"], PASSIVE),
+    ({"OMP_WAIT_POLICY": "ACTIVE"}, ["serve", "--role", "decode"], {"OMP_WAIT_POLICY": "ACTIVE"}),
+    ({"GOMP_SPINCOUNT": "300000"}, ["serve", "--role", "mixed"], {"GOMP_SPINCOUNT": "300000", "OMP_WAIT_POLICY": None}),
 ])
-def test_the_cli_makes_openmp_wait_passively_unless_told(monkeypatch: pytest.MonkeyPatch, capsys: Any,
-                                                         given: dict[str, str], expected: dict[str, str | None]) -> None:
+def test_the_cli_sets_how_openmp_waits_unless_told(monkeypatch: pytest.MonkeyPatch, capsys: Any,
+                                                   given: dict[str, str], argv: list[str],
+                                                   expected: dict[str, str | None]) -> None:
     for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
         monkeypatch.delenv(name, raising=False)
     for name, value in given.items():
         monkeypatch.setenv(name, value)
-    assert cli.main([]) == 2  # no subcommand: the help; the policy is set first all the same
+    with contextlib.suppress(SystemExit):  # the parser refuses --bogus; the policy was set before it parsed
+        cli.main([*argv, "--bogus"])
     assert {name: os.environ.get(name) for name in expected} == expected
 
 
