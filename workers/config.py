@@ -207,8 +207,13 @@ def default_step_tokens(role: Role, engine: EngineConfig, cpu_turns: bool = Fals
     engine's default too: its turns narrow its steps to PREFILL_CPU_STEP_TOKENS
     only while a decode has requests (workers/pd/cpu_turns.py says why).
     """
-    small = role is Role.PREFILL and engine.torch_device.type == "cpu" and not cpu_turns
-    return PREFILL_CPU_STEP_TOKENS if small else engine.max_num_batched_tokens
+    cap = prefill_step_cap(engine) if role is Role.PREFILL and not cpu_turns else None
+    return engine.max_num_batched_tokens if cap is None else cap
+
+
+def prefill_step_cap(engine: EngineConfig) -> int | None:
+    """A prefill's small step where its engine runs on a CPU (PREFILL_CPU_STEP_TOKENS), else None."""
+    return PREFILL_CPU_STEP_TOKENS if engine.torch_device.type == "cpu" else None
 
 
 def default_threads(cpus: int | None = None) -> int:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from disagg.workers.config import PREFILL_CPU_STEP_TOKENS, Role, ServerConfig, default_kv_connections
+from disagg.workers.config import Role, ServerConfig, default_kv_connections, prefill_step_cap
 from disagg.workers.engine.config import EngineConfig
 from disagg.workers.http.backend import Backend, Health, LoadedEngine, load_engine
 from disagg.workers.metrics import WorkerMetrics
@@ -99,9 +99,7 @@ def build_prefill(engine_config: EngineConfig, server_config: ServerConfig,
     role = PrefillRole(loaded.engine, loaded.tokenizer, loaded.model, parts.transport, parts.clients, metrics,
                        parts.config, server_config.instance_name, parts.transfer_address, mode, policy)
     if server_config.cpu_turn_dir is not None:
-        on_cpu = engine_config.torch_device.type == "cpu"
-        loaded.engine.set_step_gate(PrefillTurns(server_config.cpu_turn_dir,
-                                                 PREFILL_CPU_STEP_TOKENS if on_cpu else None))
+        loaded.engine.set_step_gate(PrefillTurns(server_config.cpu_turn_dir, prefill_step_cap(engine_config)))
     loaded.engine.start()  # after the role installed its layer hook
     return PDWorker(role, role, server_config, parts.config, parts.guard)
 

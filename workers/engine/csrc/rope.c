@@ -11,44 +11,28 @@
 
 #define PARALLEL_VALUES 16384  /* fewer are not worth waking threads for */
 
-/* x: tokens x heads rows of head_dim floats, the heads of a token contiguous,
- * tokens `token_stride` floats apart; cos, signed_sin: [tokens, head_dim]
- * (cos repeated, and [-sin, sin], over the two halves). */
-void rope_f32(float *x, const float *cos, const float *signed_sin, int tokens, int heads, int head_dim,
-              long token_stride, int threads) {
-    const int half = head_dim / 2;
-    #pragma omp parallel for if((long)tokens * heads * head_dim >= PARALLEL_VALUES) num_threads(threads)
-    for (int t = 0; t < tokens; t++) {
-        const float *c = cos + (size_t)t * head_dim, *s = signed_sin + (size_t)t * head_dim;
-        for (int h = 0; h < heads; h++) {
-            float *v = x + (size_t)t * token_stride + (size_t)h * head_dim;
-            #pragma omp simd
-            for (int i = 0; i < half; i++) {
-                const float x1 = v[i], x2 = v[i + half];
-                v[i] = x1 * c[i] + x2 * s[i];
-                v[i + half] = x2 * c[i + half] + x1 * s[i + half];
-            }
-        }
-    }
+/* x: tokens x heads rows of head_dim values, the heads of a token contiguous,
+ * tokens `token_stride` values apart; cos, signed_sin: [tokens, head_dim]
+ * (cos repeated, and [-sin, sin], over the two halves). In bfloat16, each
+ * product and the sum rounded to bfloat16 as PyTorch's bfloat16 ops round them. */
+#define DEFINE_ROPE(SUFFIX, ELEM, LOAD, ROUND, STORE)                                                 \
+void rope_##SUFFIX(ELEM *x, const ELEM *cos, const ELEM *signed_sin, int tokens, int heads, int head_dim, \
+                   long token_stride, int threads) {                                                 \
+    const int half = head_dim / 2;                                                                   \
+    _Pragma("omp parallel for if((long)tokens * heads * head_dim >= PARALLEL_VALUES) num_threads(threads)") \
+    for (int t = 0; t < tokens; t++) {                                                               \
+        const ELEM *c = cos + (size_t)t * head_dim, *s = signed_sin + (size_t)t * head_dim;         \
+        for (int h = 0; h < heads; h++) {                                                            \
+            ELEM *v = x + (size_t)t * token_stride + (size_t)h * head_dim;                          \
+            _Pragma("omp simd")                                                                      \
+            for (int i = 0; i < half; i++) {                                                         \
+                const float x1 = LOAD(v[i]), x2 = LOAD(v[i + half]);                                 \
+                v[i] = STORE(ROUND(x1 * LOAD(c[i])) + ROUND(x2 * LOAD(s[i])));                       \
+                v[i + half] = STORE(ROUND(x2 * LOAD(c[i + half])) + ROUND(x1 * LOAD(s[i + half])));  \
+            }                                                                                        \
+        }                                                                                            \
+    }                                                                                                \
 }
 
-/* The same over bfloat16 x, cos and signed_sin, each product and the sum rounded
- * to bfloat16 as PyTorch's bfloat16 ops round them. */
-void rope_bf16(uint16_t *x, const uint16_t *cos, const uint16_t *signed_sin, int tokens, int heads, int head_dim,
-               long token_stride, int threads) {
-    const int half = head_dim / 2;
-    #pragma omp parallel for if((long)tokens * heads * head_dim >= PARALLEL_VALUES) num_threads(threads)
-    for (int t = 0; t < tokens; t++) {
-        const uint16_t *c = cos + (size_t)t * head_dim, *s = signed_sin + (size_t)t * head_dim;
-        for (int h = 0; h < heads; h++) {
-            uint16_t *v = x + (size_t)t * token_stride + (size_t)h * head_dim;
-            #pragma omp simd
-            for (int i = 0; i < half; i++) {
-                const float x1 = bf16_to_float(v[i]), x2 = bf16_to_float(v[i + half]);
-                v[i] = float_to_bf16(round_bf16(x1 * bf16_to_float(c[i])) + round_bf16(x2 * bf16_to_float(s[i])));
-                v[i + half] = float_to_bf16(round_bf16(x2 * bf16_to_float(c[i + half]))
-                                            + round_bf16(x1 * bf16_to_float(s[i + half])));
-            }
-        }
-    }
-}
+DEFINE_ROPE(f32, float, as_is, as_is, as_is)
+DEFINE_ROPE(bf16, uint16_t, bf16_to_float, round_bf16, float_to_bf16)

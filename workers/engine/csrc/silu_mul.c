@@ -20,26 +20,19 @@ static inline float silu(float g) {
     return (g >= 0.0f ? g : g * e) / (1.0f + e);
 }
 
-/* gate_up [rows, 2 * width] -> out [rows, width]. */
-void silu_mul_f32(const float *gate_up, float *out, int rows, int width, int threads) {
-    #pragma omp parallel for if((long)rows * width >= PARALLEL_VALUES) num_threads(threads)
-    for (int r = 0; r < rows; r++) {
-        const float *gate = gate_up + (size_t)r * 2 * width;
-        const float *up = gate + width;
-        float *o = out + (size_t)r * width;
-        #pragma omp simd
-        for (int i = 0; i < width; i++) o[i] = silu(gate[i]) * up[i];
-    }
+/* gate_up [rows, 2 * width] -> out [rows, width]. In bfloat16, rounded where PyTorch's two
+ * bfloat16 ops round: silu(gate), then the product. */
+#define DEFINE_SILU_MUL(SUFFIX, ELEM, LOAD, ROUND, STORE)                                             \
+void silu_mul_##SUFFIX(const ELEM *gate_up, ELEM *out, int rows, int width, int threads) {           \
+    _Pragma("omp parallel for if((long)rows * width >= PARALLEL_VALUES) num_threads(threads)")      \
+    for (int r = 0; r < rows; r++) {                                                                 \
+        const ELEM *gate = gate_up + (size_t)r * 2 * width;                                          \
+        const ELEM *up = gate + width;                                                               \
+        ELEM *o = out + (size_t)r * width;                                                           \
+        _Pragma("omp simd")                                                                          \
+        for (int i = 0; i < width; i++) o[i] = STORE(ROUND(silu(LOAD(gate[i]))) * LOAD(up[i]));      \
+    }                                                                                                \
 }
 
-/* The same in bfloat16, rounded where PyTorch's two bfloat16 ops round: silu(gate), then the product. */
-void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int rows, int width, int threads) {
-    #pragma omp parallel for if((long)rows * width >= PARALLEL_VALUES) num_threads(threads)
-    for (int r = 0; r < rows; r++) {
-        const uint16_t *gate = gate_up + (size_t)r * 2 * width;
-        const uint16_t *up = gate + width;
-        uint16_t *o = out + (size_t)r * width;
-        #pragma omp simd
-        for (int i = 0; i < width; i++) o[i] = float_to_bf16(round_bf16(silu(bf16_to_float(gate[i]))) * bf16_to_float(up[i]));
-    }
-}
+DEFINE_SILU_MUL(f32, float, as_is, as_is, as_is)
+DEFINE_SILU_MUL(bf16, uint16_t, bf16_to_float, round_bf16, float_to_bf16)

@@ -42,6 +42,10 @@ static inline uint16_t float_to_bf16(float x) {
 /* x rounded to bfloat16 and widened back: a bfloat16 op's result, for the next op to take. */
 static inline float round_bf16(float x) { return bf16_to_float(float_to_bf16(x)); }
 
+/* A float32 value as its own load, store and rounding: kernels written once for
+ * both element types take these for float32 and the bf16 ones above for bfloat16. */
+static inline float as_is(float x) { return x; }
+
 #ifdef __AVX2__
 #include <immintrin.h>
 #define VECTOR_LANES 8
