@@ -1,4 +1,4 @@
-"""float32 projections from panel-packed weights (models/panels.py, csrc/panel_linear.c) against F.linear."""
+"""Projections from panel-packed weights (models/panels.py, csrc/panel_linear*.c) against F.linear: float32 and bf16."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from disagg.workers.engine.models import panels
 from disagg.workers.engine.models.packing import PackedLinear, packing_available
 
 pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler to build the CPU kernels")
+needs_amx = pytest.mark.skipif(not panels.preferred(torch.bfloat16), reason="bf16 panels need AMX (and Linux's leave)")
 
 
 @pytest.fixture
@@ -57,21 +58,69 @@ def test_pack_pads_the_last_panel_with_zeros() -> None:
     assert not packed[1, :, 4:].any()
 
 
-def test_packed_linear_takes_panels_in_float32_only(choice: pytest.MonkeyPatch) -> None:
+def test_packed_linear_takes_float32_panels_where_chosen(choice: pytest.MonkeyPatch) -> None:
     choice.setenv(panels.SWITCH_ENV, "panels")
     weight, bias = torch.randn(48, 40), torch.randn(48)
     layer = PackedLinear(weight, bias)
     assert layer.in_panels and "layout=panels" in repr(layer)
     x = torch.randn(9, 40)
     torch.testing.assert_close(layer(x), F.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
-    if packing_available(torch.device("cpu"), torch.bfloat16):  # else oneDNN refuses bf16 on this CPU
-        assert not PackedLinear(weight.bfloat16(), None).in_panels
+
+
+def bf16_sums_agree(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """got = x @ weight.T + bias in bf16 with float32 sums: torch's float32 result rounded once,
+    up to the sums' order: within float32's bound for a sum of k terms, then one bf16 step, and rarely."""
+    want = F.linear(x.float(), weight.float(), None if bias is None else bias.float()).bfloat16()
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    k = x.shape[-1]
+    order = F.linear(x.float().abs(), weight.float().abs()) * k * 2.0 ** -24
+    one_step = want.float().abs() * 2.0 ** -7
+    assert ((got.float() - want.float()).abs() <= order + one_step).all()
+    assert (got == want).float().mean() >= 0.99
+
+
+# rows: a tail of 1 row alone, tails beside blocks of 16 (17, 31, 33), a block pair (32), and 300:
+# two blocks of BLOCK_ROWS (256). (n, k): a partial last panel (40), one past a tile's 16 columns (17).
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 2, 15, 16, 17, 31, 32, 33, 300])
+@pytest.mark.parametrize("n, k", [(40, 64), (17, 32), (960, 576)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_panel_linear_equals_f_linear(rows: int, n: int, k: int, bias: bool) -> None:
+    gen = torch.Generator().manual_seed(rows * n + k)
+    weight = torch.randn(n, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16() if bias else None
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    bf16_sums_agree(panels.panel_linear(x, panels.pack(weight), n, b), x, weight, b)
+
+
+def test_bf16_panels_are_amx_pairs_of_k() -> None:
+    weight = torch.randn(40, 64).bfloat16()
+    packed = panels.pack(weight)
+    assert packed.shape == (2, 32, panels.BF16_PANEL, 2) and packed.is_contiguous()
+    for n, k in ((0, 0), (5, 1), (31, 62), (33, 7), (39, 63)):
+        assert packed[n // 32, k // 2, n % 32, k % 2] == weight[n, k]
+    assert not packed[1, :, 8:].any()
+    with pytest.raises(ValueError, match="bf16 panels need K a multiple of 32, got a weight of 40 columns"):
+        panels.pack(torch.randn(8, 40).bfloat16())
+
+
+@needs_amx
+def test_packed_linear_takes_bf16_panels_where_amx_takes_the_shape() -> None:
+    weight, bias = torch.randn(48, 64).bfloat16(), torch.randn(48).bfloat16()
+    layer = PackedLinear(weight, bias)
+    assert layer.in_panels and "layout=panels" in repr(layer)
+    x = torch.randn(3, 64).bfloat16()
+    bf16_sums_agree(layer(x), x, weight, bias)
+    assert not PackedLinear(torch.randn(48, 40).bfloat16(), None).in_panels  # K not a multiple of 32: oneDNN
+    with pytest.raises(ValueError, match="panel_linear: x torch.float32 and bias against torch.bfloat16 panels"):
+        layer(x.float())
 
 
 def test_the_switch_chooses_and_rejects_what_it_does_not_know(choice: pytest.MonkeyPatch) -> None:
     choice.setenv(panels.SWITCH_ENV, "onednn")
-    assert not panels.preferred()
+    assert not panels.preferred() and not panels.preferred(torch.bfloat16)
     assert not PackedLinear(torch.randn(16, 8), None).in_panels
+    assert not PackedLinear(torch.randn(16, 32).bfloat16(), None).in_panels
     panels.preferred.cache_clear()
     choice.setenv(panels.SWITCH_ENV, "panels")
     assert panels.preferred()

@@ -4,9 +4,10 @@ Most of a CPU step is matmuls against every weight. Run from a weight
 reordered once into a blocked layout, they are 1.8x to 2.6x faster than BLAS
 runs them from a strided one (fp32, batch 1 to 32; measured in
 docs/benchmarks-engine.md), because the kernel then streams the weight in the
-order its registers consume it. Two packers serve: float32 weights go to our
-panel kernel where it is preferred (models/panels.py: faster than oneDNN on
-AVX2 CPUs), everything else to oneDNN's layout. The results are the same
+order its registers consume it. Two packers serve: weights go to our panel
+kernels where they are preferred (models/panels.py: float32 on AVX2 CPUs,
+bf16 on AMX CPUs, both faster than oneDNN there), everything else to oneDNN's
+layout. The results are the same
 matmul up to fp32 rounding order. Packing is for inference only: the packed
 tensor is opaque, so nothing may load weights into a packed model afterwards.
 """
@@ -45,12 +46,12 @@ def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether pack_linear_weights can serve a model in `dtype` on `device`."""
     if device.type != "cpu" or dtype not in PACKABLE_DTYPES:
         return False
-    return (dtype == torch.float32 and panels.preferred()) or _onednn_works(dtype)
+    return (dtype == torch.float32 and panels.preferred()) or _onednn_works(dtype)  # bf16 panels take some shapes only
 
 
 class PackedLinear(nn.Module):
-    """y = x @ weight.T + bias, with the weight held in panels (float32, where
-    panels.preferred()) or in oneDNN's blocked layout, and as codes too when it
+    """y = x @ weight.T + bias, with the weight held in panels (where
+    panels.suits it) or in oneDNN's blocked layout, and as codes too when it
     sits exactly on a quantisation grid (models/grids.py)."""
 
     packed_weight: torch.Tensor
@@ -59,7 +60,7 @@ class PackedLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.in_panels = weight.dtype == torch.float32 and panels.preferred()
+        self.in_panels = panels.suits(weight)
         with torch.no_grad():
             # batch_size=None: one oneDNN layout for every row count (a hint of 1 slows batches down 2x).
             packed = panels.pack(weight) if self.in_panels else \

@@ -1,15 +1,24 @@
-"""float32 projections on a CPU from weights packed in panels (csrc/panel_linear.c).
+"""Projections on a CPU from weights packed in panels (csrc/panel_linear.c, csrc/panel_linear_bf16.c).
 
-A weight [N, K] is packed once into panels of 16 output columns, each stored
-k-major ([ceil(N / 16), K, 16], zero past N), so the kernel streams a panel in
-the order its registers consume it while a tile of 6 rows of x stays in
-registers. On the AVX2 AMD EPYC of docs/benchmarks-engine.md this ran 1.2x to
-1.7x faster than oneDNN's packed float32 linear from 1 to 32 rows and 1.0x to
-1.2x at 256 and 2048 (benchmarks/bench_linear.py); the results differ from it
-only in summation order. Where the CPU has AVX-512, oneDNN runs 16 lanes where
-this kernel runs 8, so oneDNN keeps those (not measured here: no such CPU), and
-CPUs without AVX2 and FMA too (the kernel would run scalar);
-DISAGG_CPU_LINEAR overrides the choice.
+float32: a weight [N, K] is packed once into panels of 16 output columns, each
+stored k-major ([ceil(N / 16), K, 16], zero past N), so the kernel streams a
+panel in the order its registers consume it while a tile of 6 rows of x stays
+in registers. On the AVX2 AMD EPYC of docs/benchmarks-engine.md this ran 1.2x
+to 1.7x faster than oneDNN's packed float32 linear from 1 to 32 rows and 1.0x
+to 1.2x at 256 and 2048 (benchmarks/bench_linear.py); the results differ from
+it only in summation order. Where the CPU has AVX-512, oneDNN runs 16 lanes
+where this kernel runs 8 and was faster from 8 rows up on an AMX Xeon, so
+oneDNN keeps those, and CPUs without AVX2 and FMA too (the kernel would run
+scalar).
+
+bfloat16: where the CPU has AMX (and Linux lends it), a weight is packed into
+panels of 32 columns in AMX's VNNI layout ([ceil(N / 32), K / 2, 32, 2]) and
+multiplied by tiles: 1.4x to 2.8x faster than oneDNN's packed bf16 linear from
+1 to 32 rows (a decode's batches, where oneDNN streamed weights slowly), 0.7x
+to 1.0x from 256 rows up (a prefill's). Weights whose K is not a multiple of
+32 (AMX's chunk) stay with oneDNN.
+
+DISAGG_CPU_LINEAR overrides the choice for both.
 """
 
 from __future__ import annotations
@@ -24,52 +33,75 @@ import torch
 from disagg.workers.engine import cpu_kernels
 from disagg.workers.engine.config import cpu_flags
 
-PANEL = 16  # output columns per panel, as panel_linear.c's
+PANEL = 16  # output columns per float32 panel, as panel_linear.c's
+BF16_PANEL = 32  # output columns per bf16 panel, as panel_linear_bf16.c's
+BF16_K_CHUNK = 32  # AMX's k per tile: a bf16 weight's K must be a multiple of it
 PROFILE_LABEL = "disagg::panel_linear_cpu"
-SWITCH_ENV = "DISAGG_CPU_LINEAR"  # "panels" or "onednn": who serves float32 projections; unset: by the CPU
+SWITCH_ENV = "DISAGG_CPU_LINEAR"  # "panels" or "onednn": who serves projections; unset: by the CPU
 _ARGTYPES: list[type] = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                          ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
 
 
 @functools.cache
-def _kernel() -> cpu_kernels.Kernel | None:
-    return cpu_kernels.function("panel_linear_f32", _ARGTYPES, restype=None)
+def _kernel(dtype: torch.dtype) -> cpu_kernels.Kernel | None:
+    """The kernel for `dtype`, or None where it cannot run here (bf16 needs AMX and Linux's leave to use it)."""
+    name = f"panel_linear_{cpu_kernels.DTYPE_SUFFIXES[dtype]}"
+    kernel = cpu_kernels.function(name, _ARGTYPES, restype=None if dtype == torch.float32 else ctypes.c_int)
+    if kernel is None or dtype == torch.float32:
+        return kernel
+    available = cpu_kernels.function(f"{name}_available", [])
+    return kernel if available is not None and available() == 1 else None
 
 
 def cpu_suits_panels(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
-    """AVX2 with FMA (the kernel's vectors; without them it runs scalar loops) and no
+    """For float32: AVX2 with FMA (the kernel's vectors; without them it runs scalar loops) and no
     AVX-512 (where oneDNN runs twice the lanes)."""
     flags = cpu_flags(cpuinfo)
     return {"avx2", "fma"} <= flags and "avx512f" not in flags
 
 
 @functools.cache
-def preferred() -> bool:
-    """Whether float32 projections take the panel kernel here (see the module's docstring)."""
+def preferred(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether projections in `dtype` take the panel kernel here (see the module's docstring)."""
     choice = os.environ.get(SWITCH_ENV, "")
     if choice not in ("", "panels", "onednn"):
         raise ValueError(f"{SWITCH_ENV} must be 'panels' or 'onednn', got {choice!r}")
-    if _kernel() is None or choice == "onednn":
+    if dtype not in cpu_kernels.DTYPE_SUFFIXES or choice == "onednn" or _kernel(dtype) is None:
         return False
-    return choice == "panels" or cpu_suits_panels()
+    return choice == "panels" or dtype == torch.bfloat16 or cpu_suits_panels()
+
+
+def suits(weight: torch.Tensor) -> bool:
+    """Whether this weight is served from panels: its dtype's kernel is preferred and takes its shape."""
+    return preferred(weight.dtype) and (weight.dtype == torch.float32 or weight.shape[1] % BF16_K_CHUNK == 0)
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] float32 -> panels [ceil(N / 16), K, 16], zero past N."""
+    """weight [N, K] -> float32 panels [ceil(N / 16), K, 16], or bf16 ones [ceil(N / 32), K / 2, 32, 2];
+    zero past N."""
     n, k = weight.shape
-    padded = torch.zeros(-(-n // PANEL) * PANEL, k, dtype=torch.float32)
+    if weight.dtype == torch.bfloat16 and k % BF16_K_CHUNK:
+        raise ValueError(f"bf16 panels need K a multiple of {BF16_K_CHUNK}, got a weight of {k} columns")
+    panel = PANEL if weight.dtype == torch.float32 else BF16_PANEL
+    padded = torch.zeros(-(-n // panel) * panel, k, dtype=weight.dtype)
     padded[:n] = weight.detach()
-    return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
+    if weight.dtype == torch.float32:
+        return padded.view(-1, panel, k).transpose(1, 2).contiguous()
+    return padded.view(-1, panel, k // 2, 2).transpose(1, 2).contiguous()
 
 
 def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., K] float32 -> [..., N] float32: x @ W.T + bias, W packed by `pack`."""
-    kernel = _kernel()
+    """x [..., K] -> [..., N] in the panels' dtype: x @ W.T + bias, W packed by `pack`."""
+    kernel = _kernel(panels.dtype)
     assert kernel is not None, "panel_linear needs preferred() first"
-    k = panels.shape[1]
+    if x.dtype != panels.dtype or (bias is not None and bias.dtype != panels.dtype):
+        raise ValueError(f"panel_linear: x {x.dtype} and bias against {panels.dtype} panels")
+    k = panels.shape[1] * (1 if panels.dtype == torch.float32 else 2)
     rows = x.reshape(-1, k).contiguous()
-    out = torch.empty(rows.shape[0], out_features, dtype=torch.float32)
+    out = torch.empty(rows.shape[0], out_features, dtype=panels.dtype)
     with cpu_kernels.profiled(PROFILE_LABEL):
-        kernel(rows.data_ptr(), panels.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
-               rows.shape[0], out_features, k, torch.get_num_threads())
+        failed = kernel(rows.data_ptr(), panels.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
+                        rows.shape[0], out_features, k, torch.get_num_threads())
+    if failed:  # (the float32 kernel returns nothing)
+        raise RuntimeError(f"panel_linear_{cpu_kernels.DTYPE_SUFFIXES[panels.dtype]} failed: {failed}")
     return out.reshape(*x.shape[:-1], out_features)
