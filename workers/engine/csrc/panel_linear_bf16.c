@@ -51,21 +51,27 @@ static int amx_permitted(void) {
 /* 1 when this build and this process can run panel_linear_bf16. */
 int panel_linear_bf16_available(void) { return amx_permitted(); }
 
-/* 16 sums -> y[0..cols) (cols <= 16): plus the bias, rounded to bfloat16 (ties to even, as torch). */
-static inline void store16(__m512 sums, const uint16_t *restrict bias, uint16_t *restrict y, int cols) {
-    const __mmask16 mask = (__mmask16)((1u << cols) - 1u);
-    if (bias != NULL) {
-        const __m256i b = _mm256_maskz_loadu_epi16(mask, bias);
-        sums = _mm512_add_ps(sums, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
-    }
-    _mm256_mask_storeu_epi16(y, mask, (__m256i)_mm512_cvtneps_pbh(sums));
+/* A panel's bias as two float32 vectors: -0.0 past it or without one, which adds nothing. */
+struct panel_bias {
+    __m512 left, right;
+};
+
+static inline struct panel_bias load_bias(const uint16_t *bias, int cols) {
+    const __m512 none = _mm512_set1_ps(-0.0f);
+    if (bias == NULL) return (struct panel_bias){none, none};
+    const __mmask32 mask = (__mmask32)(cols >= 32 ? ~0u : (1u << cols) - 1u);
+    const __m512i wide = _mm512_maskz_loadu_epi16(mask, bias);
+    const __m512 left = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(wide)), 16));
+    const __m512 right =
+        _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(wide, 1)), 16));
+    return (struct panel_bias){_mm512_mask_blend_ps((__mmask16)mask, none, left),
+                               _mm512_mask_blend_ps((__mmask16)(mask >> 16), none, right)};
 }
 
-/* A panel's 32 sums of one row -> y[0..cols). */
-static inline void store_row(__m512 left, __m512 right, const uint16_t *restrict bias, uint16_t *restrict y,
-                             int cols) {
-    store16(left, bias, y, cols < 16 ? cols : 16);
-    if (cols > 16) store16(right, bias == NULL ? NULL : bias + 16, y + 16, cols - 16);
+/* A row's 32 sums plus the bias -> y under the panel's column mask, rounded to bfloat16 (ties to even, as torch). */
+static inline void store_row(__m512 left, __m512 right, struct panel_bias bias, uint16_t *y, __mmask32 mask) {
+    const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_add_ps(right, bias.right), _mm512_add_ps(left, bias.left));
+    _mm512_mask_storeu_epi16(y, mask, (__m512i)both);
 }
 
 /* AMX's tile shapes: tmm0-3 sums (`rows` x 16 float32), tmm4-5 x (`rows` x 32 bf16), tmm6-7 the
@@ -86,13 +92,13 @@ static void configure_tiles(int rows) {
 }
 
 /* Two sum tiles (a block's two 16-column halves) -> its `rows` rows of y. */
-#define STORE_BLOCK(left, right, rows, y, n, cols, bias)                                        \
-    do {                                                                                        \
-        float sums[2][AMX_ROWS][16];                                                            \
-        _tile_stored(left, sums[0], 64);                                                        \
-        _tile_stored(right, sums[1], 64);                                                       \
-        for (int r = 0; r < (rows); r++)                                                        \
-            store_row(_mm512_loadu_ps(sums[0][r]), _mm512_loadu_ps(sums[1][r]), bias, (y) + (size_t)r * (n), cols); \
+#define STORE_BLOCK(left, right, rows, y, n, bias, mask)                                           \
+    do {                                                                                           \
+        float sums[2][AMX_ROWS][16];                                                               \
+        _tile_stored(left, sums[0], 64);                                                           \
+        _tile_stored(right, sums[1], 64);                                                          \
+        for (int r = 0; r < (rows); r++)                                                           \
+            store_row(_mm512_loadu_ps(sums[0][r]), _mm512_loadu_ps(sums[1][r]), bias, (y) + (size_t)r * (n), mask); \
     } while (0)
 
 /* One block of `rows` rows at x (k apart), or two (the second right after), against one
@@ -119,13 +125,15 @@ static void amx_rows(const uint16_t *x, int rows, int two_blocks, int prefetch, 
             _tile_dpbf16ps(3, 5, 7);
         }
     }
-    STORE_BLOCK(0, 1, rows, y, n, cols, bias);
-    if (two_blocks) STORE_BLOCK(2, 3, rows, y + (size_t)rows * n, n, cols, bias);
+    const struct panel_bias panel_bias = load_bias(bias, cols);
+    const __mmask32 mask = (__mmask32)(cols >= 32 ? ~0u : (1u << cols) - 1u);
+    STORE_BLOCK(0, 1, rows, y, n, panel_bias, mask);
+    if (two_blocks) STORE_BLOCK(2, 3, rows, y + (size_t)rows * n, n, panel_bias, mask);
 }
 
 /* Rows [first, end) of x against panel p, in blocks of `rows` (which divides end - first). */
-static void panel_blocks(const uint16_t *x, int first, int end, int rows, int p, const uint16_t *panels,
-                         const uint16_t *bias, uint16_t *y, int n, int k) {
+static void panel_blocks(const uint16_t *x, int first, int end, int rows, int p,
+                         const uint16_t *panels, const uint16_t *bias, uint16_t *y, int n, int k) {
     const int col = p * PANEL, cols = n - col < PANEL ? n - col : PANEL;
     for (int m = first; m < end; m += 2 * rows)
         amx_rows(x + (size_t)m * k, rows, m + 2 * rows <= end, m == first, k, panels + (size_t)p * k * PANEL,
@@ -154,7 +162,8 @@ int panel_linear_bf16(const uint16_t *x, const uint16_t *panels, const uint16_t 
             if (tail > 0) {
                 configure_tiles(tail);
                 #pragma omp for schedule(static) nowait
-                for (int p = 0; p < num_panels; p++) panel_blocks(x, tail_first, last, tail, p, panels, bias, y, n, k);
+                for (int p = 0; p < num_panels; p++)
+                    panel_blocks(x, tail_first, last, tail, p, panels, bias, y, n, k);
             }
             _tile_release();
         }
