@@ -38,8 +38,8 @@ from disagg.workers.engine.sampling_params import SamplingParams
 
 # Ops by kind, by the names the profiler gives them; anything else is "elementwise and glue".
 KINDS = {
-    "projections: float32 (oneDNN)": {"mkldnn::_linear_pointwise", "aten::addmm", "aten::mm", "aten::bmm"},
-    "projections: float32 panels (C kernel)": {panels.PROFILE_LABEL},
+    "projections: oneDNN (and BLAS)": {"mkldnn::_linear_pointwise", "aten::addmm", "aten::mm", "aten::bmm"},
+    "projections: panels (C kernels)": {panels.PROFILE_LABEL},
     "projections: grid codes (C kernel)": {grids.PROFILE_LABEL},
     "attention: paged C kernel": {cpu_attention.PROFILE_LABEL},
     "RMSNorm (C kernel)": {cpu_norm.PROFILE_LABEL},
@@ -143,7 +143,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     path = "the paged C kernel" if cpu_attention.is_available() else "the gather path"
-    path += "; float32 projections: " + ("panel kernel" if panels.preferred() else "oneDNN")
+    dtype = getattr(torch, args.dtype)
+    path += f"; {args.dtype} projections: " + ("panel kernel" if panels.preferred(dtype) else "oneDNN")
     path += ", from grid codes where weights sit on one" if grids.is_available() else ""
     print(f"command: {' '.join(sys.orig_argv)}")
     print(f"{args.model}, {args.dtype}, {torch.get_num_threads()} threads, decode attention: {path}; "

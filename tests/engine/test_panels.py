@@ -105,22 +105,41 @@ def test_bf16_panels_are_amx_pairs_of_k() -> None:
 
 
 @needs_amx
-def test_packed_linear_takes_bf16_panels_where_amx_takes_the_shape() -> None:
-    weight, bias = torch.randn(48, 64).bfloat16(), torch.randn(48).bfloat16()
+def test_packed_linear_reads_onednns_bf16_copy_for_small_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    weight, bias = torch.randn(48, 64).bfloat16(), torch.randn(48).bfloat16()  # 48: oneDNN pads to 64 columns
     layer = PackedLinear(weight, bias)
-    assert layer.in_panels and "layout=panels" in repr(layer)
-    x = torch.randn(3, 64).bfloat16()
-    bf16_sums_agree(layer(x), x, weight, bias)
-    assert not PackedLinear(torch.randn(48, 40).bfloat16(), None).in_panels  # K not a multiple of 32: oneDNN
+    assert layer.onednn_panels is not None and "small steps by the bf16 kernel" in repr(layer)
+    rows_read: list[int] = []
+    read = panels.panel_linear_at
+
+    def counted(x: torch.Tensor, *args: object) -> torch.Tensor:
+        rows_read.append(x.shape[0])
+        return read(x, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(panels, "panel_linear_at", counted)
+    for rows in (3, panels.BF16_MAX_ROWS, panels.BF16_MAX_ROWS + 1):  # the last: oneDNN's
+        x = torch.randn(rows, 64).bfloat16()
+        bf16_sums_agree(layer(x), x, weight, bias)
+    assert rows_read == [3, panels.BF16_MAX_ROWS]
     with pytest.raises(ValueError, match="panel_linear: x torch.float32 and bias against torch.bfloat16 panels"):
-        layer(x.float())
+        layer(torch.randn(3, 64))
+    assert PackedLinear(torch.randn(48, 40).bfloat16(), None).onednn_panels is None  # K not a multiple of 32
+
+
+@needs_amx
+def test_a_onednn_copy_is_read_only_when_its_bytes_are_the_panels() -> None:
+    weight = torch.randn(64, 64).bfloat16()
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    assert panels.onednn_panels(weight, packed) == torch.ops.mkldnn.data_ptr(packed)
+    assert panels.onednn_panels(weight + 1, packed) is None
+    assert panels.onednn_panels(weight.float(), packed) is None
 
 
 def test_the_switch_chooses_and_rejects_what_it_does_not_know(choice: pytest.MonkeyPatch) -> None:
     choice.setenv(panels.SWITCH_ENV, "onednn")
     assert not panels.preferred() and not panels.preferred(torch.bfloat16)
     assert not PackedLinear(torch.randn(16, 8), None).in_panels
-    assert not PackedLinear(torch.randn(16, 32).bfloat16(), None).in_panels
+    assert PackedLinear(torch.randn(16, 32).bfloat16(), None).onednn_panels is None
     panels.preferred.cache_clear()
     choice.setenv(panels.SWITCH_ENV, "panels")
     assert panels.preferred()

@@ -8,10 +8,11 @@
  * blocks against a panel keeps 2 x 2 tiles of 16 x 16 sums, and each chunk of
  * 32 k loads two A and two B tiles for four tile products. Rows short of a
  * block (a decode's batch, a prefill's last rows) run as one block with the
- * tiles configured for that many rows: from 1 row up, that ran 1.4x to 2.8x
- * faster than oneDNN's packed bf16 linear, which streamed the weights at a
- * third of the memory's speed (benchmarks/bench_linear.py); VDPBF16PS
- * vectors were tried for them too and were no faster at 1 row, 3x slower at 8.
+ * tiles configured for that many rows. From 1 to 32 rows that ran 1.4x to
+ * 2.8x faster than oneDNN's packed bf16 linear, which streamed a step's
+ * weights at half the memory's speed; from 256 rows, 0.8x to 1.0x
+ * (benchmarks/bench_linear.py, docs/benchmarks-engine.md). VDPBF16PS vectors
+ * were tried for short blocks and were no faster at 1 row, 3x slower at 8.
  * Each output is float32 sums over k, rounded to bfloat16 once after the bias,
  * as PyTorch's bf16 linear rounds.
  *
@@ -32,9 +33,9 @@
 #define AMX_ROWS 16   /* rows of an AMX tile */
 #define AMX_K 32      /* k values per AMX tile (16 pairs of 64 bytes) */
 #define BLOCK_ROWS 256
-/* Each k chunk asks for the panel's bytes PREFETCH_AHEAD further on (the next panels follow in
- * memory): a decode's few rows leave the tile loads waiting on memory, and with the prefetch the
- * weights streamed at 16 GB/s instead of 13 (4 KB ahead: 13, 16 KB: 15). */
+/* On a panel's first pass, each k chunk asks for the bytes PREFETCH_AHEAD further on (the next
+ * panels follow in memory): a decode's few rows left the tile loads waiting on memory; a step's
+ * weights streamed at 16.6 GB/s with it, 13.0 without (2 KB ahead: 13.0, 16 KB: 15.2). */
 #define PREFETCH_AHEAD 8192
 #define PREFETCH_LINES 32 /* the 64-byte lines of a k chunk's two B tiles */
 

@@ -4,10 +4,10 @@ Most of a CPU step is matmuls against every weight. Run from a weight
 reordered once into a blocked layout, they are 1.8x to 2.6x faster than BLAS
 runs them from a strided one (fp32, batch 1 to 32; measured in
 docs/benchmarks-engine.md), because the kernel then streams the weight in the
-order its registers consume it. Two packers serve: weights go to our panel
-kernels where they are preferred (models/panels.py: float32 on AVX2 CPUs,
-bf16 on AMX CPUs, both faster than oneDNN there), everything else to oneDNN's
-layout. The results are the same
+order its registers consume it. Two packers serve: float32 weights go to our
+panel kernel where it is preferred (models/panels.py: faster than oneDNN on
+AVX2 CPUs), everything else to oneDNN's layout, which for bf16 on AMX CPUs
+our bf16 kernel reads too, for small steps. The results are the same
 matmul up to fp32 rounding order. Packing is for inference only: the packed
 tensor is opaque, so nothing may load weights into a packed model afterwards.
 """
@@ -50,8 +50,9 @@ def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """y = x @ weight.T + bias, with the weight held in panels (where
-    panels.suits it) or in oneDNN's blocked layout, and as codes too when it
+    """y = x @ weight.T + bias, with the weight held in panels (float32, where
+    panels.preferred()) or in oneDNN's blocked layout (read by our bf16 kernel
+    too for small steps, where panels.onednn_panels finds it so), and as codes too when it
     sits exactly on a quantisation grid (models/grids.py)."""
 
     packed_weight: torch.Tensor
@@ -60,12 +61,13 @@ class PackedLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.in_panels = panels.suits(weight)
+        self.in_panels = weight.dtype == torch.float32 and panels.preferred()
         with torch.no_grad():
             # batch_size=None: one oneDNN layout for every row count (a hint of 1 slows batches down 2x).
             packed = panels.pack(weight) if self.in_panels else \
                 torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
         self.register_buffer("packed_weight", packed, persistent=False)
+        self.onednn_panels = None if self.in_panels else panels.onednn_panels(weight, packed)
         self.register_buffer("bias", None if bias is None else bias.detach().contiguous(), persistent=False)
         self.grid = grids.find_grid(weight) if grids.is_available() else None
 
@@ -74,11 +76,14 @@ class PackedLinear(nn.Module):
             return grids.grid_linear(x, self.grid, self.bias)
         if self.in_panels:
             return panels.panel_linear(x, self.packed_weight, self.out_features, self.bias)
+        if self.onednn_panels is not None and x.numel() <= panels.BF16_MAX_ROWS * self.in_features:
+            return panels.panel_linear_at(x, self.onednn_panels, self.out_features, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"layout={'panels' if self.in_panels else 'onednn'}, "
+                f"layout={'panels' if self.in_panels else 'onednn'}"
+                f"{', small steps by the bf16 kernel' if self.onednn_panels is not None else ''}, "
                 f"grid={self.grid.format.name if self.grid else None}")
 
 

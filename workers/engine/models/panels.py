@@ -11,12 +11,16 @@ where this kernel runs 8 and was faster from 8 rows up on an AMX Xeon, so
 oneDNN keeps those, and CPUs without AVX2 and FMA too (the kernel would run
 scalar).
 
-bfloat16: where the CPU has AMX (and Linux lends it), a weight is packed into
-panels of 32 columns in AMX's VNNI layout ([ceil(N / 32), K / 2, 32, 2]) and
-multiplied by tiles: 1.4x to 2.8x faster than oneDNN's packed bf16 linear from
-1 to 32 rows (a decode's batches, where oneDNN streamed weights slowly), 0.7x
-to 1.0x from 256 rows up (a prefill's). Weights whose K is not a multiple of
-32 (AMX's chunk) stay with oneDNN.
+bfloat16: where the CPU has AMX (and Linux lends it), oneDNN packs a bf16
+weight into panels of 32 output columns in AMX's VNNI layout
+([ceil(N / 32), K / 2, 32, 2]), the layout `pack` makes. Our AMX kernel reads
+that same copy for steps of up to BF16_MAX_ROWS rows (a decode's batches),
+1.4x to 2.8x faster than oneDNN's linear there, which streamed a step's
+weights at half the memory's speed; larger steps (a prefill's) stay with
+oneDNN, 1.0x to 1.25x faster than our kernel from 256 rows
+(docs/benchmarks-engine.md). One copy serves both: `onednn_panels` checks,
+for each weight, that oneDNN's bytes are exactly `pack`'s, and else leaves
+the weight to oneDNN alone.
 
 DISAGG_CPU_LINEAR overrides the choice for both.
 """
@@ -36,6 +40,7 @@ from disagg.workers.engine.config import cpu_flags
 PANEL = 16  # output columns per float32 panel, as panel_linear.c's
 BF16_PANEL = 32  # output columns per bf16 panel, as panel_linear_bf16.c's
 BF16_K_CHUNK = 32  # AMX's k per tile: a bf16 weight's K must be a multiple of it
+BF16_MAX_ROWS = 128  # steps of up to this many rows take the bf16 kernel, larger ones oneDNN
 PROFILE_LABEL = "disagg::panel_linear_cpu"
 SWITCH_ENV = "DISAGG_CPU_LINEAR"  # "panels" or "onednn": who serves projections; unset: by the CPU
 _ARGTYPES: list[type] = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
@@ -71,11 +76,6 @@ def preferred(dtype: torch.dtype = torch.float32) -> bool:
     return choice == "panels" or dtype == torch.bfloat16 or cpu_suits_panels()
 
 
-def suits(weight: torch.Tensor) -> bool:
-    """Whether this weight is served from panels: its dtype's kernel is preferred and takes its shape."""
-    return preferred(weight.dtype) and (weight.dtype == torch.float32 or weight.shape[1] % BF16_K_CHUNK == 0)
-
-
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """weight [N, K] -> float32 panels [ceil(N / 16), K, 16], or bf16 ones [ceil(N / 32), K / 2, 32, 2];
     zero past N."""
@@ -90,18 +90,44 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(-1, panel, k // 2, 2).transpose(1, 2).contiguous()
 
 
+def onednn_panels(weight: torch.Tensor, onednn_packed: torch.Tensor) -> int | None:
+    """The address of oneDNN's packed copy of a bf16 `weight` (torch.ops.mkldnn._reorder_linear_weight's)
+    when its bytes are exactly `pack(weight)`'s, so that panel_linear_at may read it; else None.
+
+    Equal bytes make the results right whatever oneDNN meant by its layout; a
+    oneDNN that blocks differently leaves the weight to oneDNN alone."""
+    if weight.dtype != torch.bfloat16 or weight.shape[1] % BF16_K_CHUNK or not preferred(torch.bfloat16):
+        return None
+    expected = pack(weight)
+    size = expected.numel() * expected.element_size()
+    if torch.ops.mkldnn._nbytes(onednn_packed) != size:
+        return None
+    address = int(torch.ops.mkldnn.data_ptr(onednn_packed))
+    return address if ctypes.string_at(address, size) == expected.view(torch.int16).numpy().tobytes() else None
+
+
 def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] -> [..., N] in the panels' dtype: x @ W.T + bias, W packed by `pack`."""
-    kernel = _kernel(panels.dtype)
-    assert kernel is not None, "panel_linear needs preferred() first"
-    if x.dtype != panels.dtype or (bias is not None and bias.dtype != panels.dtype):
-        raise ValueError(f"panel_linear: x {x.dtype} and bias against {panels.dtype} panels")
     k = panels.shape[1] * (1 if panels.dtype == torch.float32 else 2)
+    return _run(x, panels.data_ptr(), panels.dtype, out_features, k, bias)
+
+
+def panel_linear_at(x: torch.Tensor, address: int, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] bf16 -> [..., N] bf16 from bf16 panels at `address` (from onednn_panels)."""
+    return _run(x, address, torch.bfloat16, out_features, x.shape[-1], bias)
+
+
+def _run(x: torch.Tensor, address: int, dtype: torch.dtype, out_features: int, k: int,
+         bias: torch.Tensor | None) -> torch.Tensor:
+    kernel = _kernel(dtype)
+    assert kernel is not None, "panel_linear needs preferred() first"
+    if x.dtype != dtype or (bias is not None and bias.dtype != dtype):
+        raise ValueError(f"panel_linear: x {x.dtype} and bias against {dtype} panels")
     rows = x.reshape(-1, k).contiguous()
-    out = torch.empty(rows.shape[0], out_features, dtype=panels.dtype)
+    out = torch.empty(rows.shape[0], out_features, dtype=dtype)
     with cpu_kernels.profiled(PROFILE_LABEL):
-        failed = kernel(rows.data_ptr(), panels.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
+        failed = kernel(rows.data_ptr(), address, None if bias is None else bias.data_ptr(), out.data_ptr(),
                         rows.shape[0], out_features, k, torch.get_num_threads())
     if failed:  # (the float32 kernel returns nothing)
-        raise RuntimeError(f"panel_linear_{cpu_kernels.DTYPE_SUFFIXES[panels.dtype]} failed: {failed}")
+        raise RuntimeError(f"panel_linear_{cpu_kernels.DTYPE_SUFFIXES[dtype]} failed: {failed}")
     return out.reshape(*x.shape[:-1], out_features)
