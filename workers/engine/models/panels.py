@@ -17,7 +17,7 @@ weight into panels of 32 output columns in AMX's VNNI layout
 that same copy for steps of up to BF16_MAX_ROWS rows (a decode's batches),
 1.4x to 2.8x faster than oneDNN's linear there, which streamed a step's
 weights at half the memory's speed; larger steps (a prefill's) stay with
-oneDNN, 1.0x to 1.25x faster than our kernel from 256 rows
+oneDNN, up to 1.25x faster than our kernel from 256 rows
 (docs/benchmarks-engine.md). One copy serves both: `onednn_panels` checks,
 for each weight, that oneDNN's bytes are exactly `pack`'s, and else leaves
 the weight to oneDNN alone.
