@@ -22,7 +22,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -40,11 +40,11 @@ def seconds_per_call(fn: Callable[[], object], calls: int) -> float:
     return (time.perf_counter() - start) / calls
 
 
-def alternating_medians(kernels: dict[str, Callable[[], object]], calls: int, rounds: int) -> dict[str, float]:
+def alternating_medians(kernels: Mapping[str, Callable[[], object]], calls: int, rounds: int) -> dict[str, float]:
     """Seconds per call of each kernel, medians of `rounds` rounds in alternating order."""
     times: dict[str, list[float]] = {kernel: [] for kernel in kernels}
     for round_ in range(rounds):
-        for kernel in (list(kernels) if round_ % 2 == 0 else list(reversed(kernels))):
+        for kernel in (list(kernels) if round_ % 2 == 0 else list(kernels)[::-1]):
             kernels[kernel]()  # warm
             times[kernel].append(seconds_per_call(kernels[kernel], calls))
     return {kernel: statistics.median(t) for kernel, t in times.items()}
