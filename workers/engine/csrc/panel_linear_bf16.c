@@ -1,5 +1,7 @@
 /* y = x @ W.T (+ bias) in bfloat16 with float32 sums by AMX, W packed once into
- * panels of 32 output columns in AMX's VNNI layout (models/panels.py packs it):
+ * panels of 32 output columns in AMX's VNNI layout, which is the layout of
+ * oneDNN's packed bf16 weights on AMX CPUs (models/panels.py checks that per
+ * weight, and reads oneDNN's copy):
  *
  *     panels[p][k / 2][c][k % 2] = W[p * 32 + c][k], zero past N,
  *
@@ -9,10 +11,11 @@
  * 32 k loads two A and two B tiles for four tile products. Rows short of a
  * block (a decode's batch, a prefill's last rows) run as one block with the
  * tiles configured for that many rows. From 1 to 32 rows that ran 1.4x to
- * 2.8x faster than oneDNN's packed bf16 linear, which streamed a step's
- * weights at half the memory's speed; from 256 rows, 0.8x to 1.0x
- * (benchmarks/bench_linear.py, docs/benchmarks-engine.md). VDPBF16PS vectors
- * were tried for short blocks and were no faster at 1 row, 3x slower at 8.
+ * 2.1x faster than oneDNN's packed bf16 linear, which streamed a step's
+ * weights at half the memory's speed; from 256 rows, 0.8x to 1.0x, so larger
+ * steps stay with oneDNN (benchmarks/bench_linear.py,
+ * docs/benchmarks-engine.md). VDPBF16PS vectors were tried for short blocks
+ * and were no faster at 1 row, 3x slower at 8.
  * Each output is float32 sums over k, rounded to bfloat16 once after the bias,
  * as PyTorch's bf16 linear rounds.
  *

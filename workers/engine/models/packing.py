@@ -46,14 +46,14 @@ def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether pack_linear_weights can serve a model in `dtype` on `device`."""
     if device.type != "cpu" or dtype not in PACKABLE_DTYPES:
         return False
-    return (dtype == torch.float32 and panels.preferred()) or _onednn_works(dtype)  # bf16 panels take some shapes only
+    return (dtype == torch.float32 and panels.preferred()) or _onednn_works(dtype)
 
 
 class PackedLinear(nn.Module):
     """y = x @ weight.T + bias, with the weight held in panels (float32, where
-    panels.preferred()) or in oneDNN's blocked layout (read by our bf16 kernel
-    too for small steps, where panels.onednn_panels finds it so), and as codes too when it
-    sits exactly on a quantisation grid (models/grids.py)."""
+    panels.preferred()) or in oneDNN's blocked layout (which our bf16 kernel
+    reads for small steps, where panels.onednn_panels finds our panels in it),
+    and as codes too when it sits exactly on a quantisation grid (models/grids.py)."""
 
     packed_weight: torch.Tensor
     bias: torch.Tensor | None

@@ -14,9 +14,10 @@ scalar).
 bfloat16: where the CPU has AMX (and Linux lends it), oneDNN packs a bf16
 weight into panels of 32 output columns in AMX's VNNI layout
 ([ceil(N / 32), K / 2, 32, 2]), the layout `pack` makes. Our AMX kernel reads
-that same copy for steps of up to BF16_MAX_ROWS rows (a decode's batches),
-1.4x to 2.8x faster than oneDNN's linear there, which streamed a step's
-weights at half the memory's speed; larger steps (a prefill's) stay with
+that same copy for steps of up to BF16_MAX_ROWS rows (a decode's batches):
+1.4x to 2.1x faster than oneDNN's linear from 1 to 32 rows, which streamed a
+step's weights at half the memory's speed, and 1.0x to 1.6x at 64 and 128
+(but for the output projection). Larger steps (a prefill's) stay with
 oneDNN, up to 1.25x faster than our kernel from 256 rows
 (docs/benchmarks-engine.md). One copy serves both: `onednn_panels` checks,
 for each weight, that oneDNN's bytes are exactly `pack`'s, and else leaves
