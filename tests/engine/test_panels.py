@@ -127,12 +127,16 @@ def test_packed_linear_reads_onednns_bf16_copy_for_small_steps(monkeypatch: pyte
 
 
 @needs_amx
-def test_a_onednn_copy_is_read_only_when_its_bytes_are_the_panels() -> None:
+def test_a_onednn_copy_is_read_only_when_its_bytes_are_the_panels(caplog: pytest.LogCaptureFixture) -> None:
     weight = torch.randn(64, 64).bfloat16()
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
     assert panels.onednn_panels(weight, packed) == torch.ops.mkldnn.data_ptr(packed)
-    assert panels.onednn_panels(weight + 1, packed) is None
     assert panels.onednn_panels(weight.float(), packed) is None
+    assert "not in our panels' layout" not in caplog.text
+    panels._warn_layout_differs.cache_clear()
+    assert panels.onednn_panels(weight + 1, packed) is None  # as if oneDNN had blocked it otherwise
+    assert panels.onednn_panels(torch.randn(32, 64).bfloat16(), packed) is None  # another size
+    assert caplog.text.count("oneDNN's packed bf16 weights are not in our panels' layout here") == 1
 
 
 def test_the_switch_chooses_and_rejects_what_it_does_not_know(choice: pytest.MonkeyPatch) -> None:

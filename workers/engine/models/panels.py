@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import os
 from pathlib import Path
 
@@ -37,6 +38,8 @@ import torch
 
 from disagg.workers.engine import cpu_kernels
 from disagg.workers.engine.config import cpu_flags
+
+log = logging.getLogger(__name__)
 
 PANEL = 16  # output columns per float32 panel, as panel_linear.c's
 BF16_PANEL = 32  # output columns per bf16 panel, as panel_linear_bf16.c's
@@ -101,10 +104,19 @@ def onednn_panels(weight: torch.Tensor, onednn_packed: torch.Tensor) -> int | No
         return None
     expected = pack(weight)
     size = expected.numel() * expected.element_size()
-    if torch.ops.mkldnn._nbytes(onednn_packed) != size:
-        return None
     address = int(torch.ops.mkldnn.data_ptr(onednn_packed))
-    return address if ctypes.string_at(address, size) == expected.view(torch.int16).numpy().tobytes() else None
+    if torch.ops.mkldnn._nbytes(onednn_packed) == size and \
+            ctypes.string_at(address, size) == expected.view(torch.int16).numpy().tobytes():
+        return address
+    _warn_layout_differs()
+    return None
+
+
+@functools.cache
+def _warn_layout_differs() -> None:
+    """Once: a oneDNN build (an upgrade, another CPU) that blocks bf16 weights otherwise slows small steps."""
+    log.warning("oneDNN's packed bf16 weights are not in our panels' layout here: bf16 projections stay "
+                "with oneDNN, whose small steps are slower (models/panels.py)")
 
 
 def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
