@@ -60,10 +60,9 @@ struct panel_bias {
     __m512 left, right;
 };
 
-static inline struct panel_bias load_bias(const uint16_t *bias, int cols) {
+static inline struct panel_bias load_bias(const uint16_t *bias, __mmask32 mask) {
     const __m512 none = _mm512_set1_ps(-0.0f);
     if (bias == NULL) return (struct panel_bias){none, none};
-    const __mmask32 mask = (__mmask32)(cols >= 32 ? ~0u : (1u << cols) - 1u);
     const __m512i wide = _mm512_maskz_loadu_epi16(mask, bias);
     const __m512 left = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(wide)), 16));
     const __m512 right =
@@ -106,9 +105,10 @@ static void configure_tiles(int rows) {
     } while (0)
 
 /* One block of `rows` rows at x (k apart), or two (the second right after), against one
- * panel by AMX, with the tiles configured for `rows`; `prefetch` on the panel's first pass. */
+ * panel by AMX, with the tiles configured for `rows`; `prefetch` on the panel's first pass;
+ * the panel's columns under `mask`. */
 static void amx_rows(const uint16_t *x, int rows, int two_blocks, int prefetch, int k, const uint16_t *panel,
-                     const uint16_t *bias, uint16_t *y, int n, int cols) {
+                     struct panel_bias bias, uint16_t *y, int n, __mmask32 mask) {
     const size_t x_stride = (size_t)k * sizeof(uint16_t), block = (size_t)rows * k;
     _tile_zero(0);
     _tile_zero(1);
@@ -129,19 +129,19 @@ static void amx_rows(const uint16_t *x, int rows, int two_blocks, int prefetch, 
             _tile_dpbf16ps(3, 5, 7);
         }
     }
-    const struct panel_bias panel_bias = load_bias(bias, cols);
-    const __mmask32 mask = (__mmask32)(cols >= 32 ? ~0u : (1u << cols) - 1u);
-    STORE_BLOCK(0, 1, rows, y, n, panel_bias, mask);
-    if (two_blocks) STORE_BLOCK(2, 3, rows, y + (size_t)rows * n, n, panel_bias, mask);
+    STORE_BLOCK(0, 1, rows, y, n, bias, mask);
+    if (two_blocks) STORE_BLOCK(2, 3, rows, y + (size_t)rows * n, n, bias, mask);
 }
 
 /* Rows [first, end) of x against panel p, in blocks of `rows` (which divides end - first). */
 static void panel_blocks(const uint16_t *x, int first, int end, int rows, int p,
                          const uint16_t *panels, const uint16_t *bias, uint16_t *y, int n, int k) {
     const int col = p * PANEL, cols = n - col < PANEL ? n - col : PANEL;
+    const __mmask32 mask = (__mmask32)(cols >= PANEL ? ~0u : (1u << cols) - 1u);
+    const struct panel_bias panel_bias = load_bias(bias == NULL ? NULL : bias + col, mask);
     for (int m = first; m < end; m += 2 * rows)
         amx_rows(x + (size_t)m * k, rows, m + 2 * rows <= end, m == first, k, panels + (size_t)p * k * PANEL,
-                 bias == NULL ? NULL : bias + col, y + (size_t)m * n + col, n, cols);
+                 panel_bias, y + (size_t)m * n + col, n, mask);
 }
 
 /* x [rows, k] bf16, panels [ceil(n / 32), k / 2, 32, 2], bias [n] or NULL, y [rows, n] bf16; k a
