@@ -107,22 +107,31 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 # milliseconds, so that its threads stay awake from one parallel region to the next during
 # steps and sleep once the worker is idle (docs/benchmarks.md, "OpenMP threads that own their CPUs").
 OWNED_CPUS_SPIN_COUNT = "1000000"
+# ... and for a worker taking CPU turns (workers/pd/cpu_turns.py): about 2.5 ms, from one region
+# to the next of a step it takes alone, and soon asleep once the turn passes.
+TURN_SPIN_COUNT = "100000"
+
+
+def _takes_cpu_turns(argv: Sequence[str]) -> bool:
+    return any(a.split("=")[0] == "--cpu-turn-dir" for a in argv)
 
 
 def _owns_its_cpus(argv: Sequence[str]) -> bool:
     """A mixed worker not taking CPU turns: the only compute on its CPUs, as far as it knows."""
     mixed = any(a == "--role=mixed" or (a == "--role" and b == "mixed") for a, b in zip(argv, [*argv[1:], ""]))
-    return mixed and not any(a.split("=")[0] == "--cpu-turn-dir" for a in argv)
+    return mixed and not _takes_cpu_turns(argv)
 
 
 def _set_openmp_wait_policy(argv: Sequence[str]) -> None:
     """How idle OpenMP threads wait, unless the user chose (OMP_WAIT_POLICY or GOMP_SPINCOUNT).
 
-    A prefill and a decode on the same cores must not spin: libgomp's spinning
-    after each parallel region made them burn each other's CPU time, so they
-    sleep at once (PASSIVE). A mixed worker that owns its CPUs spins a while
-    instead: waking sleeping threads for each of a step's few hundred parallel
-    regions made its decode steps up to 1.45x slower (docs/benchmarks.md).
+    A prefill and a decode on the same cores without turns must not spin:
+    libgomp's spinning after each parallel region made them burn each other's
+    CPU time, so they sleep at once (PASSIVE). A mixed worker that owns its CPUs
+    spins a while instead: waking sleeping threads for each of a step's few
+    hundred parallel regions made its decode steps up to 1.45x slower
+    (docs/benchmarks.md). Workers taking CPU turns spin briefly: they step on
+    every thread only while alone on the cores, on one beside each other.
     NOTE: libgomp reads these once, when torch loads, so this runs before any
     subcommand imports it; the workers `disagg demo` starts inherit it.
     """
@@ -130,6 +139,8 @@ def _set_openmp_wait_policy(argv: Sequence[str]) -> None:
         return
     if _owns_its_cpus(argv):
         os.environ["GOMP_SPINCOUNT"] = OWNED_CPUS_SPIN_COUNT
+    elif _takes_cpu_turns(argv):
+        os.environ["GOMP_SPINCOUNT"] = TURN_SPIN_COUNT
     else:
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 

@@ -371,10 +371,12 @@ class HeldGate:
     """A step gate that stays closed until opened, counting what the loop asked of it; its
     steps take at most `cap` tokens."""
 
-    def __init__(self, cap: int) -> None:
+    def __init__(self, cap: int, threads: list[int | None] | None = None) -> None:
         self.open = threading.Event()
         self.asked = self.steps = self.idles = 0
         self.cap = cap
+        self.thread_caps = threads or [None]  # by step, the last one for every later step
+        self.threads_seen: list[int] = []  # torch's threads in the engine thread, after each step
 
     def may_step(self, requests: int) -> bool:
         assert requests == 1  # the one request of the test below, waiting
@@ -384,7 +386,11 @@ class HeldGate:
     def step_tokens(self) -> int:
         return self.cap
 
+    def step_threads(self) -> int | None:
+        return self.thread_caps[min(self.steps, len(self.thread_caps) - 1)]
+
     def after_step(self) -> None:
+        self.threads_seen.append(torch.get_num_threads())
         self.steps += 1
 
     def idle(self) -> None:
@@ -422,6 +428,23 @@ async def test_a_closed_step_gate_holds_the_steps_but_not_the_commands(make_engi
         assert gate.steps == 2 + len(expected) - 1
     finally:
         assert await asyncio.to_thread(engine.shutdown, 30)
+
+
+async def test_a_step_gate_caps_a_steps_threads_and_the_next_step_gets_them_back(make_engine: MakeEngine) -> None:
+    """CPU turns: a step beside another worker on one thread, then the worker's own again."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)  # the worker's threads, read by the engine thread when its loop begins
+    try:
+        engine, gate = AsyncEngine(make_engine()), HeldGate(cap=64, threads=[1, 1, None])
+        engine.set_step_gate(gate)
+        gate.open.set()
+        engine.start()
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        await asyncio.wait_for(collect(engine, "threads", prompts(1, [6], seed=5)[0], params), 60)
+        assert gate.threads_seen == [1, 1, 3, 3]  # a prefill step, then a step per later token
+        assert await asyncio.to_thread(engine.shutdown, 30)
+    finally:
+        torch.set_num_threads(threads)
 
 
 async def test_shutdown_fails_open_streams(make_engine: MakeEngine) -> None:

@@ -174,6 +174,7 @@ def test_default_threads_follow_omp_num_threads(monkeypatch: pytest.MonkeyPatch)
 
 PASSIVE = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": None}
 SPINS = {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": cli.OWNED_CPUS_SPIN_COUNT}
+SPINS_BRIEFLY = {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": cli.TURN_SPIN_COUNT}
 
 
 @pytest.mark.parametrize(("given", "argv", "expected"), [
@@ -182,8 +183,9 @@ SPINS = {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": cli.OWNED_CPUS_SPIN_COUNT}
     ({}, ["serve", "--role", "decode"], PASSIVE),
     ({}, ["serve", "--role", "mixed"], SPINS),  # a mixed worker owns its CPUs
     ({}, ["serve", "--role=mixed", "--model", "x"], SPINS),
-    ({}, ["serve", "--role", "mixed", "--cpu-turn-dir", "/tmp/t"], PASSIVE),  # it shares them, taking turns
-    ({}, ["serve", "--role", "mixed", "--cpu-turn-dir=/tmp/t"], PASSIVE),
+    ({}, ["serve", "--role", "mixed", "--cpu-turn-dir", "/tmp/t"], SPINS_BRIEFLY),  # it shares them, taking turns
+    ({}, ["serve", "--role", "prefill", "--cpu-turn-dir=/tmp/t"], SPINS_BRIEFLY),
+    ({}, ["serve", "--role", "decode", "--cpu-turn-dir", "/tmp/t"], SPINS_BRIEFLY),
     ({"OMP_WAIT_POLICY": "ACTIVE"}, ["serve", "--role", "decode"], {"OMP_WAIT_POLICY": "ACTIVE"}),
     ({"GOMP_SPINCOUNT": "300000"}, ["serve", "--role", "mixed"], {"GOMP_SPINCOUNT": "300000", "OMP_WAIT_POLICY": None}),
 ])

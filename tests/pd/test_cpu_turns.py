@@ -15,7 +15,7 @@ import pytest
 
 from disagg.proto.vocabulary import Role
 from disagg.workers.config import ServerConfig
-from disagg.workers.pd.cpu_turns import DecodeTurns, PrefillTurns
+from disagg.workers.pd.cpu_turns import BESIDE_THREADS, DecodeTurns, PrefillTurns
 
 LONG_WAIT_S = 30.0  # a decode bound no test reaches
 
@@ -55,6 +55,21 @@ def test_a_decode_running_more_requests_than_the_prefill_holds_steps_beside_it(t
     assert prefill.may_step(6)  # a backlog comes: now the prompts go first
     assert not decode.may_step(4)
     prefill.idle()
+
+
+def test_each_worker_steps_on_one_thread_beside_the_other_and_on_all_alone(tmp_path: Path) -> None:
+    prefill, decode = PrefillTurns(tmp_path), DecodeTurns(tmp_path, LONG_WAIT_S)
+    assert decode.may_step(4) and decode.step_threads() is None  # no prefill has work: alone
+    decode.after_step()
+    assert prefill.may_step(1) and prefill.step_threads() is None  # no decode steps beside it
+    assert decode.may_step(4) and decode.step_threads() == BESIDE_THREADS  # more requests: beside
+    assert prefill.step_threads() == BESIDE_THREADS  # ... and the prefill's next step too
+    decode.after_step()
+    assert prefill.step_threads() is None  # the decode's step beside ended
+    prefill.idle()
+    assert decode.may_step(4) and decode.step_threads() is None  # alone again
+    decode.after_step()
+    decode.idle()
 
 
 def test_a_prefill_waits_for_the_decode_step_in_progress_and_then_goes_first(tmp_path: Path) -> None:

@@ -115,6 +115,11 @@ class StepGate(Protocol):
         """A cap on the next step's tokens, asked when `may_step` said yes; None: the engine's budget."""
         ...
 
+    def step_threads(self) -> int | None:
+        """A cap on the next step's threads, asked when `may_step` said yes; None: every thread the
+        worker was given."""
+        ...
+
     def after_step(self) -> None: ...
 
     def idle(self) -> None:
@@ -127,6 +132,9 @@ class _OpenGate:
         return True
 
     def step_tokens(self) -> int | None:
+        return None
+
+    def step_threads(self) -> int | None:
         return None
 
     def after_step(self) -> None:
@@ -298,6 +306,7 @@ class AsyncEngine(Generic[E]):
     # --- the engine thread ----------------------------------------------------
 
     def _run(self) -> None:
+        self._threads = torch.get_num_threads()
         idle_checked = False
         try:
             while not self._stopping.is_set():
@@ -355,7 +364,16 @@ class AsyncEngine(Generic[E]):
             except ValueError as exc:
                 self._deliver(command.request_id, exc)
 
+    def _use_threads(self, cap: int | None) -> None:
+        """The next step's threads: the worker's own (torch's count when the loop began), or fewer
+        while the gate says so. torch's count is the engine thread's own (OpenMP's per-thread
+        setting), and the kernels read it at each call."""
+        wanted = self._threads if cap is None else max(1, min(cap, self._threads))
+        if torch.get_num_threads() != wanted:
+            torch.set_num_threads(wanted)
+
     def _step(self) -> None:
+        self._use_threads(self._gate.step_threads())
         try:
             outputs = self.engine.step(self._gate.step_tokens())
         except Exception as exc:

@@ -6,7 +6,7 @@ demo`, the benchmarks, a single-node setup) have no such order: a decode step
 that runs while the prefill computes prompts slows both, and every queued
 prompt's first token waits (issue 18: PD's TTFT 1.5-2.4x the mixed worker's at
 concurrency 32 on 2 cores). With `--cpu-turn-dir DIR` on both, they take turns
-through three flock(2) locks in DIR, which the kernel drops when a worker dies:
+through four flock(2) locks in DIR, which the kernel drops when a worker dies:
 
 - `prompts`, held shared by a prefill from its first step until it is idle,
   with the number of requests it holds written in it; a decode tests the lock
@@ -14,7 +14,9 @@ through three flock(2) locks in DIR, which the kernel drops when a worker dies:
 - `steps`, held shared by a prefill across those steps, and exclusively by a
   decode for one step;
 - `decodes`, held shared by a decode while it has requests; a prefill tests it
-  before each step.
+  before each step;
+- `beside`, held shared by a decode for a step it takes beside the prefill's
+  prompts; a prefill tests it before each step.
 
 The rule, per decode step:
 
@@ -45,6 +47,16 @@ rest of the wave is computed (a decode running fewer requests than the prefill
 holds waits for the prompts), which is what PD exists to avoid
 (docs/benchmarks.md, "A prefill's step size follows the decodes").
 
+A worker's threads follow the turns too. Stepping alone, a worker takes
+every CPU it has, and its OpenMP threads spin a while between a step's
+parallel regions (workers/cli.py gives workers that take turns
+`TURN_SPIN_COUNT`): sleeping threads woken for each of a step's few hundred
+regions made the PD pair's decode slower than a mixed worker's (PD 0.84x at
+concurrency 1). Stepping beside the other worker, each steps on one thread:
+two pools of spinning threads on the same cores held the cores each other
+needed at every barrier (0.62x at concurrency 32, docs/benchmarks.md,
+"OpenMP spinning for the PD pair").
+
 A prefill waits at most `PREFILL_WAIT_S` for a decode's step to end. The engine
 loop asks `may_step()` between looks at its command queue, so commands (a
 decode's reservations, admissions) never wait for a turn.
@@ -60,6 +72,7 @@ from pathlib import Path
 
 PREFILL_WAIT_S = 2.0  # a decode's step ends well within this
 DEFAULT_DECODE_WAIT_S = 1.0
+BESIDE_THREADS = 1  # a worker's threads for a step beside the other's
 _COUNT = struct.Struct("<q")  # the prefill's requests, at the start of the `prompts` file
 
 
@@ -85,9 +98,9 @@ class _Lock:
             self.held = False
 
 
-def _locks(folder: Path) -> tuple[_Lock, _Lock, _Lock]:
+def _locks(folder: Path) -> tuple[_Lock, _Lock, _Lock, _Lock]:
     folder.mkdir(parents=True, exist_ok=True)
-    return _Lock(folder / "prompts"), _Lock(folder / "steps"), _Lock(folder / "decodes")
+    return _Lock(folder / "prompts"), _Lock(folder / "steps"), _Lock(folder / "decodes"), _Lock(folder / "beside")
 
 
 class _Waiting:
@@ -114,7 +127,7 @@ class PrefillTurns:
     def __init__(self, folder: Path, busy_step_tokens: int | None = None) -> None:
         if busy_step_tokens is not None and busy_step_tokens < 1:
             raise ValueError(f"a prefill's step while decodes run must be positive, got {busy_step_tokens}")
-        self._prompts, self._steps, self._decodes = _locks(folder)
+        self._prompts, self._steps, self._decodes, self._beside = _locks(folder)
         self._waiting = _Waiting(PREFILL_WAIT_S)
         self._published: int | None = None
         self._busy_step_tokens = busy_step_tokens
@@ -137,6 +150,12 @@ class PrefillTurns:
             return None
         return self._busy_step_tokens
 
+    def step_threads(self) -> int | None:
+        if self._beside.take(fcntl.LOCK_EX):  # no decode steps beside the prompts
+            self._beside.release()
+            return None
+        return BESIDE_THREADS
+
     def after_step(self) -> None:
         """Kept across steps: the next prompt step follows at once."""
 
@@ -158,30 +177,42 @@ class DecodeTurns:
     def __init__(self, folder: Path, wait_s: float = DEFAULT_DECODE_WAIT_S) -> None:
         if wait_s <= 0:
             raise ValueError(f"a decode's wait for its turn must be positive, got {wait_s}")
-        self._prompts, self._steps, self._decodes = _locks(folder)
+        self._prompts, self._steps, self._decodes, self._beside = _locks(folder)
         self._waiting = _Waiting(wait_s)
+        self._stepping_beside = False
 
     def may_step(self, requests: int) -> bool:
         if not self._decodes.held:  # fails only for the instant a prefill tests it: taken next step
             self._decodes.take(fcntl.LOCK_SH)
         if self._prompts.take(fcntl.LOCK_EX):  # no prefill has work
             self._prompts.release()
-            go = self._steps.take(fcntl.LOCK_EX)  # fails while another decode steps alone
+            if self._steps.take(fcntl.LOCK_EX):  # fails while another decode steps alone
+                self._waiting.reset()
+                return True
+            go = False
         else:
             go = requests > self._prefill_requests()
         if go or self._waiting.over():
             self._waiting.reset()
+            self._stepping_beside = True
+            self._beside.take(fcntl.LOCK_SH)  # fails only for the instant a prefill tests it
             return True
         return False
 
     def step_tokens(self) -> int | None:
         return None
 
+    def step_threads(self) -> int | None:
+        return BESIDE_THREADS if self._stepping_beside else None
+
     def after_step(self) -> None:
+        self._stepping_beside = False
         self._steps.release()
+        self._beside.release()
 
     def idle(self) -> None:
         self._steps.release()
+        self._beside.release()
         self._decodes.release()
 
     def _prefill_requests(self) -> int:
