@@ -8,22 +8,50 @@ pool ends up after requests come and go. Prints ms per step (30 layer calls)
 and the cache bytes read per second, for fp32 and bf16 caches:
 
     .venv/bin/python benchmarks/bench_attention.py [--batch 8 32] [--context 330] [--threads 2]
+
+`--against REV` also builds the kernel as it was at git revision REV and
+times the two in turn, step by step, on the same caches: on a machine whose
+speed moves within minutes, only such side-by-side figures compare.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
+import statistics
+import subprocess
+import tempfile
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
-from disagg.workers.engine import cpu_attention
+from disagg.workers.engine import cpu_attention, cpu_kernels
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
+KERNEL_FILES = ("paged_decode.c", "vector.h")
+_I32_P = ctypes.POINTER(ctypes.c_int32)
+Step = Callable[[], None]
 
 
-def step_ms(batch: int, context: int, dtype: torch.dtype, steps: int) -> float:
+def build_at(rev: str, out_dir: Path) -> ctypes.CDLL:
+    """The kernel's library built from its sources at git revision `rev`, with the engine's flags."""
+    root = Path(__file__).resolve().parents[1]
+    for name in KERNEL_FILES:
+        source = subprocess.run(["git", "show", f"{rev}:workers/engine/csrc/{name}"], cwd=root, check=True,
+                                capture_output=True, text=True, timeout=30).stdout
+        (out_dir / name).write_text(source)
+    library = out_dir / "paged_decode.so"
+    subprocess.run([os.environ.get("CC", "cc"), *cpu_kernels.FLAGS, "-o", str(library), str(out_dir / KERNEL_FILES[0])],
+                   check=True, capture_output=True, text=True, timeout=180)
+    return ctypes.CDLL(str(library))
+
+
+def steps_for(batch: int, context: int, dtype: torch.dtype, baseline: ctypes.CDLL | None) -> dict[str, Step]:
+    """A decode step's 30 layer calls over shuffled blocks: this tree's kernel, and the baseline's
+    (its C function called with the arguments the engine's wrapper passes) when given."""
     blocks_per_seq = -(-context // BLOCK)
     caches = [torch.randn(batch * blocks_per_seq, 2, BLOCK, KV_HEADS, HEAD_DIM).to(dtype) for _ in range(LAYERS)]
     tables = torch.randperm(batch * blocks_per_seq).to(torch.int32).view(batch, blocks_per_seq)
@@ -33,12 +61,34 @@ def step_ms(batch: int, context: int, dtype: torch.dtype, steps: int) -> float:
     def step() -> None:
         for cache in caches:
             cpu_attention.paged_decode_attention(q, cache, tables, lens, HEAD_DIM ** -0.5)
+    steps = {"this tree": step}
+    if baseline is not None:
+        kernel = getattr(baseline, f"paged_decode_{cpu_kernels.DTYPE_SUFFIXES[dtype]}")
+        kernel.argtypes, kernel.restype = [ctypes.c_void_p, ctypes.c_void_p, _I32_P, _I32_P, ctypes.c_void_p,
+                                           *[ctypes.c_int] * 6, ctypes.c_float, ctypes.c_int], ctypes.c_int
+        query, out = q.float().contiguous(), torch.empty(q.shape)
+        table_p, lens_p = ctypes.cast(tables.data_ptr(), _I32_P), ctypes.cast(lens.data_ptr(), _I32_P)
 
-    step()  # builds the kernels on first use
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    return (time.perf_counter() - start) / steps * 1000
+        def baseline_step() -> None:
+            for cache in caches:
+                kernel(query.data_ptr(), cache.data_ptr(), table_p, lens_p, out.data_ptr(), batch, HEADS, KV_HEADS,
+                       HEAD_DIM, BLOCK, blocks_per_seq, HEAD_DIM ** -0.5, torch.get_num_threads())
+                out.to(dtype)  # the wrapper's conversion back, as in this tree's step
+        steps["baseline"] = baseline_step
+    return steps
+
+
+def median_ms(steps: dict[str, Step], rounds: int) -> dict[str, float]:
+    """Each step timed once per round, in turn; the median of its rounds in ms."""
+    for step in steps.values():
+        step()  # builds this tree's kernels on first use, warms the caches
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) * 1000 for name, t in times.items()}
 
 
 def main() -> int:
@@ -46,20 +96,28 @@ def main() -> int:
     p.add_argument("--batch", type=int, nargs="+", default=[8, 32])
     p.add_argument("--context", type=int, default=330, help="tokens per sequence (default: 330, mid-way "
                    "through the peers benchmark's 256 in + 128 out)")
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--steps", type=int, default=5, help="timed steps of each kernel (default: 5)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--against", metavar="REV", help="also time the kernel at this git revision, in turn")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if not cpu_attention.is_available():
         print("the paged decode kernel is not available here (no C compiler, or switched off)")
         return 1
     print(f"{args.threads} threads, context {args.context}, load average {os.getloadavg()[0]:.2f}")
-    print("| cache | batch | ms per step (30 layers) | cache read GB/s |\n|---|---:|---:|---:|")
-    for dtype in (torch.float32, torch.bfloat16):
-        for batch in args.batch:
-            ms = step_ms(batch, args.context, dtype, args.steps)
-            read = LAYERS * batch * args.context * 2 * KV_HEADS * HEAD_DIM * dtype.itemsize
-            print(f"| {str(dtype).removeprefix('torch.')} | {batch} | {ms:.1f} | {read / ms / 1e6:.1f} |")
+    with tempfile.TemporaryDirectory() as tmp:
+        baseline = build_at(args.against, Path(tmp)) if args.against else None
+        against = f" | {args.against}, ms per step | speed-up" if baseline else ""
+        print(f"| cache | batch | ms per step (30 layers) | cache read GB/s{against} |")
+        print("|---|---:|---:|---:|" + ("---:|---:|" if baseline else ""))
+        for dtype in (torch.float32, torch.bfloat16):
+            for batch in args.batch:
+                ms = median_ms(steps_for(batch, args.context, dtype, baseline), args.steps)
+                read = LAYERS * batch * args.context * 2 * KV_HEADS * HEAD_DIM * dtype.itemsize
+                cells = [f"{ms['this tree']:.1f}", f"{read / ms['this tree'] / 1e6:.1f}"]
+                if baseline:
+                    cells += [f"{ms['baseline']:.1f}", f"{ms['baseline'] / ms['this tree']:.2f}x"]
+                print(f"| {str(dtype).removeprefix('torch.')} | {batch} | " + " | ".join(cells) + " |", flush=True)
     return 0
 
 
