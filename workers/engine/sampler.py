@@ -107,7 +107,7 @@ class Sampler:
         if meta.bias is not None:
             logits = logits + meta.bias
         logits = apply_penalties(logits, meta)
-        tokens = logits.argmax(dim=-1)  # [N]
+        tokens = logits.max(dim=-1).indices  # [N]; the first of ties, as argmax, whose CPU kernel is half as fast
         if not meta.all_greedy:
             sampled = sample(logits, meta, self.generator)
             tokens = torch.where(meta.greedy, tokens, sampled)
