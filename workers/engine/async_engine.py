@@ -148,6 +148,7 @@ class AsyncEngine(Generic[E]):
     def __init__(self, engine: E) -> None:
         self.engine = engine
         self._gate: StepGate = _OpenGate()
+        self._threads = torch.get_num_threads()  # the worker's compute threads, set before the engine
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()  # guards _streams
@@ -306,7 +307,6 @@ class AsyncEngine(Generic[E]):
     # --- the engine thread ----------------------------------------------------
 
     def _run(self) -> None:
-        self._threads = torch.get_num_threads()
         idle_checked = False
         try:
             while not self._stopping.is_set():
@@ -365,9 +365,9 @@ class AsyncEngine(Generic[E]):
                 self._deliver(command.request_id, exc)
 
     def _use_threads(self, cap: int | None) -> None:
-        """The next step's threads: the worker's own (torch's count when the loop began), or fewer
-        while the gate says so. torch's count is the engine thread's own (OpenMP's per-thread
-        setting), and the kernels read it at each call."""
+        """The next step's threads: the worker's own, or fewer while the gate says so. torch's
+        count is the engine thread's own (OpenMP's per-thread setting); the kernels read it at
+        each call."""
         wanted = self._threads if cap is None else max(1, min(cap, self._threads))
         if torch.get_num_threads() != wanted:
             torch.set_num_threads(wanted)
