@@ -32,7 +32,6 @@ from disagg.workers.engine import cpu_attention, cpu_kernels
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
 KERNEL_FILES = ("paged_decode.c", "vector.h")
-_I32_P = ctypes.POINTER(ctypes.c_int32)
 Step = Callable[[], None]
 
 
@@ -64,10 +63,10 @@ def steps_for(batch: int, context: int, dtype: torch.dtype, baseline: ctypes.CDL
     steps = {"this tree": step}
     if baseline is not None:
         kernel = getattr(baseline, f"paged_decode_{cpu_kernels.DTYPE_SUFFIXES[dtype]}")
-        kernel.argtypes, kernel.restype = [ctypes.c_void_p, ctypes.c_void_p, _I32_P, _I32_P, ctypes.c_void_p,
-                                           *[ctypes.c_int] * 6, ctypes.c_float, ctypes.c_int], ctypes.c_int
+        kernel.argtypes, kernel.restype = cpu_attention.ARGTYPES, ctypes.c_int
         query, out = q.float().contiguous(), torch.empty(q.shape)
-        table_p, lens_p = ctypes.cast(tables.data_ptr(), _I32_P), ctypes.cast(lens.data_ptr(), _I32_P)
+        table_p = ctypes.cast(tables.data_ptr(), cpu_attention.INT32_P)
+        lens_p = ctypes.cast(lens.data_ptr(), cpu_attention.INT32_P)
 
         def baseline_step() -> None:
             for cache in caches:

@@ -23,8 +23,9 @@ PROFILE_LABEL = "disagg::paged_decode_cpu"
 # The kernel's stack buffers (csrc/paged_decode.c); other shapes take the gather path.
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 32, 256, 256
 
-_i32_p = ctypes.POINTER(ctypes.c_int32)
-_ARGTYPES: list[type] = [ctypes.c_void_p, ctypes.c_void_p, _i32_p, _i32_p, ctypes.c_void_p,
+INT32_P = ctypes.POINTER(ctypes.c_int32)
+# paged_decode_{f32,bf16}'s C signature (benchmarks/bench_attention.py calls other builds of it too).
+ARGTYPES: list[type] = [ctypes.c_void_p, ctypes.c_void_p, INT32_P, INT32_P, ctypes.c_void_p,
                          *[ctypes.c_int] * 6, ctypes.c_float, ctypes.c_int]
 
 
@@ -32,7 +33,7 @@ _ARGTYPES: list[type] = [ctypes.c_void_p, ctypes.c_void_p, _i32_p, _i32_p, ctype
 def _kernels() -> dict[torch.dtype, cpu_kernels.Kernel] | None:
     if os.environ.get(SWITCH_ENV) == "gather":
         return None
-    found = {dtype: cpu_kernels.function(f"paged_decode_{suffix}", _ARGTYPES)
+    found = {dtype: cpu_kernels.function(f"paged_decode_{suffix}", ARGTYPES)
              for dtype, suffix in cpu_kernels.DTYPE_SUFFIXES.items()}
     return {dtype: kernel for dtype, kernel in found.items() if kernel is not None} or None
 
@@ -66,8 +67,8 @@ def paged_decode_attention(q: torch.Tensor, layer_cache: torch.Tensor, block_tab
     out = torch.empty_like(query)
     with cpu_kernels.profiled(PROFILE_LABEL):
         status = kernels[layer_cache.dtype](
-            query.data_ptr(), layer_cache.data_ptr(), ctypes.cast(tables.data_ptr(), _i32_p),
-            ctypes.cast(lens.data_ptr(), _i32_p), out.data_ptr(), batch, heads, kv_heads, head_dim, block_size,
+            query.data_ptr(), layer_cache.data_ptr(), ctypes.cast(tables.data_ptr(), INT32_P),
+            ctypes.cast(lens.data_ptr(), INT32_P), out.data_ptr(), batch, heads, kv_heads, head_dim, block_size,
             tables.shape[1], scale, torch.get_num_threads())
     if status != 0:
         raise ValueError(f"paged decode kernel refused its arguments (code {status}): heads {heads}, "

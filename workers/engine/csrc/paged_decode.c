@@ -224,7 +224,7 @@ static inline __attribute__((always_inline)) void attend(
         for (int r = 0; r < rows; r++) {
             float *w = weights[r];
             float block_max = row_max[r];
-            #pragma omp simd reduction(max:block_max)  /* scalar, a chain of maxes: a tenth of the kernel */
+            #pragma omp simd reduction(max:block_max)  /* without it, a scalar chain: a tenth of the kernel */
             for (int t = 0; t < tokens; t++) block_max = w[t] > block_max ? w[t] : block_max;
             const float rescale = exp_nonpositive(row_max[r] - block_max);  /* e^-inf = 0 on the first block */
             float block_sum = 0.0f;
