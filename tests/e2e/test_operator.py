@@ -228,7 +228,7 @@ def _chat(ip: str, port: int = m.HTTP_PORT, timeout_s: float = 60) -> tuple[str,
     r = httpx.post(f"http://{ip}:{port}/v1/chat/completions", timeout=timeout_s, json={
         "model": MODEL_NAME, "messages": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
         "return_token_ids": True})
-    r.raise_for_status()
+    assert r.status_code == 200, f"{ip}: {r.status_code} {r.text}"
     choice = r.json()["choices"][0]
     return str(choice["message"]["content"]), list(choice["token_ids"])
 

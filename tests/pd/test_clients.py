@@ -1,13 +1,18 @@
-"""The decode's relay to a prefill: outputs of many requests share one Generations call."""
+"""The PD clients: the decode's relay to a prefill (outputs of many requests share one
+Generations call), and channels to peers that come back at the same address."""
 
 from __future__ import annotations
 
 import asyncio
 
+import grpc
 import pytest
+from grpc_health.v1 import health, health_pb2_grpc
 
 from disagg.workers.engine.outputs import RequestOutput
-from disagg.workers.pd.clients import _Coalescer
+from disagg.workers.local import free_port
+from disagg.workers.pd.clients import PeerClients, _Coalescer
+from disagg.workers.pd.config import PDConfig
 from disagg.workers.pd.errors import PeerUnavailable
 
 
@@ -62,3 +67,32 @@ def test_a_failed_call_fails_each_of_its_callers() -> None:
         assert prefill.calls == [["a", "b"]]
 
     asyncio.run(run())
+
+
+async def _health_server(address: str) -> grpc.aio.Server:
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+    assert server.add_insecure_port(address)
+    await server.start()
+    return server
+
+
+async def test_a_peer_back_at_its_address_answers_at_once_once_renewed() -> None:
+    """A pod restarted at its address: the call that failed while it was down left the channel
+    backing off, failing every call at once; `renew` on the new link gives a fresh one."""
+    address = f"127.0.0.1:{free_port()}"
+    clients = PeerClients(PDConfig(), None)
+    server = await _health_server(address)
+    try:
+        assert await clients.answers(address, 2.0)
+        await server.stop(None)
+        assert not await clients.answers(address, 2.0)  # down: the channel backs off (1 s at first)
+        server = await _health_server(address)
+        assert not await clients.answers(address, 2.0), "the backing-off channel fails at once"
+        clients.renew(address)
+        assert await clients.answers(address, 2.0)
+        clients.renew(address)  # a channel that works is kept
+        assert await clients.answers(address, 2.0)
+    finally:
+        await server.stop(None)
+        await clients.close()

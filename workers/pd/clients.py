@@ -94,6 +94,7 @@ class PeerClients:
         self._tls = tls
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._coalescers: dict[str, _Coalescer] = {}
+        self._closing: set[asyncio.Task[None]] = set()  # retired channels' close calls
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
@@ -101,14 +102,30 @@ class PeerClients:
             self._channels[address] = control_channel(
                 address, self._key,
                 [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit),
-                 *convert.METADATA_OPTIONS], self._tls,
+                 # Its own connection: a renewed channel must not share the old one's, backing off (`renew`).
+                 ("grpc.use_local_subchannel_pool", 1), *convert.METADATA_OPTIONS], self._tls,
             )
         return self._channels[address]
 
+    def renew(self, address: str) -> None:
+        """A peer just linked at `address`: drop a cached channel that is backing off.
+
+        A channel whose call failed while the peer was down (a restarted pod keeps its
+        address) fails every call at once until its reconnect backoff ends, which grows
+        to minutes; the new incarnation would look dead for that long.
+        """
+        channel = self._channels.get(address)
+        if channel is None or channel.get_state() is not grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+            return
+        del self._channels[address]
+        task = asyncio.get_running_loop().create_task(channel.close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
     async def add_new_requests(self, decode: str, prefill_name: str, reqs: list[NewRequest]) -> list[Reservation]:
-        stub = disagg_pd_pb2_grpc.DisaggPDServiceStub(self._channel(decode))
         """The decode's reservations; RequestRefused when the requests' extras pass the metadata bound
         (no decode could take them: never retried)."""
+        stub = disagg_pd_pb2_grpc.DisaggPDServiceStub(self._channel(decode))
         msg = pb.DisaggRequests(prefill_name=prefill_name, reqs=[convert.request_to_proto(r) for r in reqs])
         try:
             metadata = convert.sampling_extras_metadata(reqs) + convert.PREFIX_REUSE_METADATA
@@ -193,3 +210,4 @@ class PeerClients:
         for channel in self._channels.values():
             await channel.close()
         self._channels.clear()
+        await asyncio.gather(*self._closing)

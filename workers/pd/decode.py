@@ -142,6 +142,7 @@ class DecodeRole(EngineHealth["AsyncEngine[LLMEngine]"]):
             raise PeerTimeout(f"prefill {info.name} at {info.transfer_address}: {exc}") from exc
         except (TransferError, OSError) as exc:
             raise PeerUnavailable(f"cannot reach prefill {info.name} at {info.transfer_address}: {exc}") from exc
+        self._clients.renew(session.peer.grpc_address)
         self.peers.add(info.name, session)
 
     async def unlink(self, info: InstanceInfo) -> None:

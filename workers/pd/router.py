@@ -57,6 +57,7 @@ class DecodeRouter:
         name = session.peer.name
         self._addresses[name] = session.peer.grpc_address
         self._load.setdefault(name, 0)
+        self._clients.renew(session.peer.grpc_address)
         self.peers.add(name, session)
 
     def has_live(self) -> bool:
