@@ -35,15 +35,16 @@ KERNEL_FILES = ("paged_decode.c", "vector.h")
 Step = Callable[[], None]
 
 
-def build_at(rev: str, out_dir: Path) -> ctypes.CDLL:
-    """The kernel's library built from its sources at git revision `rev`, with the engine's flags."""
+def build_at(rev: str, out_dir: Path, files: tuple[str, ...] = KERNEL_FILES) -> ctypes.CDLL:
+    """A kernel's library built from its sources at git revision `rev` (the first of `files`
+    compiled, the others its headers), with the engine's flags."""
     root = Path(__file__).resolve().parents[1]
-    for name in KERNEL_FILES:
+    for name in files:
         source = subprocess.run(["git", "show", f"{rev}:workers/engine/csrc/{name}"], cwd=root, check=True,
                                 capture_output=True, text=True, timeout=30).stdout
         (out_dir / name).write_text(source)
-    library = out_dir / "paged_decode.so"
-    subprocess.run([os.environ.get("CC", "cc"), *cpu_kernels.FLAGS, "-o", str(library), str(out_dir / KERNEL_FILES[0])],
+    library = out_dir / f"{Path(files[0]).stem}.so"
+    subprocess.run([os.environ.get("CC", "cc"), *cpu_kernels.FLAGS, "-o", str(library), str(out_dir / files[0])],
                    check=True, capture_output=True, text=True, timeout=180)
     return ctypes.CDLL(str(library))
 

@@ -25,7 +25,8 @@ _ROPE_ARGS: list[type] = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, cty
 
 
 @functools.cache
-def _silu_mul(dtype: torch.dtype) -> cpu_kernels.Kernel | None:
+def silu_mul_kernel(dtype: torch.dtype) -> cpu_kernels.Kernel | None:
+    """The C function for `dtype` (None: the kernels are not built here), for callers that time it."""
     return cpu_kernels.function(f"silu_mul_{cpu_kernels.DTYPE_SUFFIXES[dtype]}", _SILU_MUL_ARGS, restype=None)
 
 
@@ -40,12 +41,12 @@ def _on_cpu_in_one_kernel_dtype(*tensors: torch.Tensor) -> bool:
 
 
 def serves_silu_mul(gate_up: torch.Tensor) -> bool:
-    return _on_cpu_in_one_kernel_dtype(gate_up) and _silu_mul(gate_up.dtype) is not None
+    return _on_cpu_in_one_kernel_dtype(gate_up) and silu_mul_kernel(gate_up.dtype) is not None
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [..., 2 * I] float32 or bfloat16 -> silu(gate) * up [..., I], a new tensor."""
-    kernel = _silu_mul(gate_up.dtype)
+    kernel = silu_mul_kernel(gate_up.dtype)
     assert kernel is not None, "silu_mul needs serves_silu_mul() first"
     width = gate_up.shape[-1] // 2
     rows = gate_up.reshape(-1, 2 * width).contiguous()
