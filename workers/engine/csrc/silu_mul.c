@@ -15,9 +15,10 @@
 
 #define PARALLEL_VALUES 16384  /* fewer are not worth waking threads for */
 
-/* The library is built for 256-bit vectors (cpu_kernels.FLAGS); this loop, whose
- * exponential and division are all arithmetic, ran 1.2x-1.3x faster in 512-bit ones
- * (bf16, 32 and 2048 rows of 1536; docs/benchmarks.md) with the same bits. GCC's spelling; others keep 256. */
+/* The library is built for 256-bit vectors (cpu_kernels.FLAGS); this loop, all
+ * arithmetic (an exponential and a division per value), ran 1.1x-1.5x faster in
+ * 512-bit ones at 32 and 2048 rows, with the same bits (bench_silu_mul.py,
+ * docs/benchmarks-engine.md). The attribute is GCC's; other compilers keep 256. */
 #if defined(__AVX512F__) && defined(__GNUC__) && !defined(__clang__)
 #define WIDE_VECTORS __attribute__((target("prefer-vector-width=512")))
 #else
