@@ -11,7 +11,7 @@ import grpc
 
 from disagg.operator.links import Endpoint, LinkOp, LinkResult
 from disagg.proto import disagg_pd_pb2_grpc
-from disagg.workers.security.control import control_channel
+from disagg.workers.security.control import control_channel, is_backing_off
 from disagg.workers.security.key import ClusterKey
 
 K = TypeVar("K", bound=Hashable)  # what groups ops: a (decode, prefill) pair
@@ -21,7 +21,8 @@ Credentials = tuple[ClusterKey | None, grpc.ChannelCredentials | None]  # what a
 class LinkClient:
     """gRPC `LinkInstance`/`UnlinkInstance` with a deadline per call, many calls at once.
 
-    Channels are cached per target address; `close()` releases them. A failed
+    Channels are cached per target address; `close()` releases them, and one
+    that is backing off is replaced (a restarted pod keeps its address). A failed
     call is not retried here: the graph schedules the retry with backoff, so
     no handler ever sleeps.
     """
@@ -37,7 +38,7 @@ class LinkClient:
     def _stub(self, target: Endpoint, credentials: Credentials) -> disagg_pd_pb2_grpc.DisaggPDServiceStub:
         address = target.instance_name
         cached = self._channels.get(address)
-        if cached is None or any(a is not b for a, b in zip(cached[0], credentials)):
+        if cached is None or any(a is not b for a, b in zip(cached[0], credentials)) or is_backing_off(cached[1]):
             if cached is not None:
                 asyncio.ensure_future(cached[1].close())
             key, tls = credentials

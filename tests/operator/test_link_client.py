@@ -1,4 +1,5 @@
-"""The operator's link client against a real gRPC server on loopback: the order of a pass's RPCs."""
+"""The operator's link client against a real gRPC server on loopback: the order of a pass's RPCs,
+and a worker restarted at its address."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import grpc
 from disagg.operator.link_client import LinkClient
 from disagg.operator.links import Endpoint, LinkOp
 from disagg.proto import common_pb2, disagg_pd_pb2, disagg_pd_pb2_grpc
+from disagg.workers.local import free_port
 
 UNLINK_S = 0.5  # how long the worker takes to answer an unlink
 
@@ -68,3 +70,34 @@ def test_a_pairs_link_waits_for_its_unlinks_and_other_pairs_do_not() -> None:
     assert unlink_ended - unlink_began >= UNLINK_S * 0.9
     assert calls[("link", "d-0")][0] >= unlink_ended, "the restarted decode was linked before its old self was unlinked"
     assert calls[("link", "d-1")][0] < unlink_ended, "a pair with nothing to unlink waited for another pair's unlink"
+
+
+def test_a_worker_back_at_its_address_is_linked_at_once() -> None:
+    """A link that failed while the worker was down left its channel backing off, failing every
+    call at once; the next call, once the worker is back, gets a fresh channel and goes through."""
+
+    async def serve(address: str) -> grpc.aio.Server:
+        server = grpc.aio.server()
+        disagg_pd_pb2_grpc.add_DisaggPDServiceServicer_to_server(_Recorder(), server)
+        assert server.add_insecure_port(address)
+        await server.start()
+        return server
+
+    async def run() -> list[bool]:
+        port = free_port()
+        decode = Endpoint("d-0", "uid-d/0", "127.0.0.1", grpc_port=port)
+        link = LinkOp(True, decode, Endpoint("p-0", "uid-p/0", "127.0.0.2", grpc_port=port))
+        client = LinkClient(timeout_s=5.0)
+        server = await serve(f"127.0.0.1:{port}")
+        try:
+            results = [(await client.call(link)).ok]
+            await server.stop(None)
+            results.append((await client.call(link)).ok)  # down
+            server = await serve(f"127.0.0.1:{port}")
+            results.append((await client.call(link)).ok)  # back, well within the channel's 1 s backoff
+            return results
+        finally:
+            await client.close()
+            await server.stop(None)
+
+    assert asyncio.run(run()) == [True, False, True]

@@ -17,7 +17,7 @@ from disagg.workers.pd.config import PDConfig
 from disagg.workers.pd.errors import (InvalidMessage, PDError, PeerTimeout, PeerUnavailable, RequestRefused,
                                      UnknownRequest, WrongRole)
 from disagg.workers.pd.messages import FirstToken, NewRequest, Reservation
-from disagg.workers.security.control import control_channel
+from disagg.workers.security.control import control_channel, is_backing_off
 from disagg.workers.security.key import ClusterKey
 
 _ERRORS: dict[grpc.StatusCode, type[PDError]] = {
@@ -102,20 +102,15 @@ class PeerClients:
             self._channels[address] = control_channel(
                 address, self._key,
                 [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit),
-                 # Its own connection: a renewed channel must not share the old one's, backing off (`renew`).
-                 ("grpc.use_local_subchannel_pool", 1), *convert.METADATA_OPTIONS], self._tls,
+                 *convert.METADATA_OPTIONS], self._tls,
             )
         return self._channels[address]
 
     def renew(self, address: str) -> None:
-        """A peer just linked at `address`: drop a cached channel that is backing off.
-
-        A channel whose call failed while the peer was down (a restarted pod keeps its
-        address) fails every call at once until its reconnect backoff ends, which grows
-        to minutes; the new incarnation would look dead for that long.
-        """
+        """A peer just linked at `address`: drop a cached channel that is backing off
+        (`is_backing_off`), or the new incarnation would look dead until the backoff ends."""
         channel = self._channels.get(address)
-        if channel is None or channel.get_state() is not grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+        if channel is None or not is_backing_off(channel):
             return
         del self._channels[address]
         task = asyncio.get_running_loop().create_task(channel.close())

@@ -104,14 +104,30 @@ class CredentialInterceptor(grpc.aio.UnaryUnaryClientInterceptor):
         return await continuation(signed, request)
 
 
+# Each channel its own connection: one opened to replace a channel that is backing off must
+# not share that channel's connection attempt (gRPC pools them process-wide by default).
+_OWN_CONNECTION = ("grpc.use_local_subchannel_pool", 1)
+
+
 def control_channel(address: str, key: ClusterKey | None, options: Sequence[tuple[str, Any]] = (),
                     tls: grpc.ChannelCredentials | None = None) -> grpc.aio.Channel:
     """A channel to a worker's gRPC port whose calls carry credentials of `key` (None: none),
     over TLS with `tls` (security/tls.py; None: plaintext)."""
     interceptors = [CredentialInterceptor(key)] if key is not None else None
     if tls is None:
-        return grpc.aio.insecure_channel(address, options=list(options), interceptors=interceptors)
-    return grpc.aio.secure_channel(address, tls, options=[*options, *GRPC_CHANNEL_OPTIONS], interceptors=interceptors)
+        return grpc.aio.insecure_channel(address, options=[*options, _OWN_CONNECTION], interceptors=interceptors)
+    return grpc.aio.secure_channel(address, tls, options=[*options, _OWN_CONNECTION, *GRPC_CHANNEL_OPTIONS],
+                                   interceptors=interceptors)
+
+
+def is_backing_off(channel: grpc.aio.Channel) -> bool:
+    """Whether a channel fails every call at once until its reconnect backoff ends.
+
+    A channel whose call failed while its peer was down stays so, even once the peer is
+    back (a restarted pod keeps its address), for 1 s after one failure and up to two
+    minutes after many: a cache of channels replaces such a one instead of using it.
+    """
+    return channel.get_state() is grpc.ChannelConnectivity.TRANSIENT_FAILURE
 
 
 def http_method(path: str) -> str:
