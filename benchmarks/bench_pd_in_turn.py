@@ -37,7 +37,6 @@ PROMPT_TOKENS, OUTPUT_TOKENS = 256, 128
 def timed_request(client: httpx.Client, url: str, prompt: list[int]) -> tuple[float, float]:
     """(TTFT, TPOT) in seconds of one streamed completion."""
     began = time.monotonic()
-    stamps: list[float] = []
     with client.stream("POST", f"{url}/v1/completions", json={
             "model": SERVED, "prompt": prompt, "max_tokens": OUTPUT_TOKENS, "temperature": 0,
             "ignore_eos": True, "stream": True}) as response:

@@ -33,7 +33,7 @@ static inline float silu(float g) {
 /* gate_up [rows, 2 * width] -> out [rows, width]. In bfloat16, rounded where PyTorch's two
  * bfloat16 ops round: silu(gate), then the product. */
 #define DEFINE_SILU_MUL(SUFFIX, ELEM, LOAD, ROUND, STORE)                                             \
-WIDE_VECTORS void silu_mul_##SUFFIX(const ELEM *gate_up, ELEM *out, int rows, int width, int threads) {           \
+WIDE_VECTORS void silu_mul_##SUFFIX(const ELEM *gate_up, ELEM *out, int rows, int width, int threads) { \
     _Pragma("omp parallel for if((long)rows * width >= PARALLEL_VALUES) num_threads(threads)")      \
     for (int r = 0; r < rows; r++) {                                                                 \
         const ELEM *gate = gate_up + (size_t)r * 2 * width;                                          \
