@@ -355,20 +355,24 @@ def test_one_prefill_one_decode_link_then_serve_the_greedy_text(
     create(custom, namespace, cluster_body("llm", str(tiny_model)))
     seen_ready_unlinked: list[str] = []
 
-    def linked() -> bool:
+    def linked_and_ready() -> bool:
+        ready = 0
         for pod in pods(core, namespace):
             c = _conditions(pod)
-            if c.get("Ready") == "True" and c.get(m.LINKED_GATE) != "True":
-                seen_ready_unlinked.append(pod["metadata"]["name"])
-        return _linked(custom, namespace, "llm", 1, 1)
+            if c.get("Ready") == "True":
+                ready += 1
+                if c.get(m.LINKED_GATE) != "True":
+                    seen_ready_unlinked.append(pod["metadata"]["name"])
+        # The kubelet turns a pod Ready on its own next sync after the operator opens the gate,
+        # so the status may say linked a moment before both pods say Ready.
+        return _linked(custom, namespace, "llm", 1, 1) and ready == 2
 
-    wait_until(linked, WAIT_S, "one prefill and one decode, linked")
+    wait_until(linked_and_ready, WAIT_S, "one prefill and one decode, linked and Ready")
     assert not seen_ready_unlinked, f"Ready before linked: {seen_ready_unlinked}"
     (prefill,) = pods(core, namespace, "prefill")
     (decode,) = pods(core, namespace, "decode")
     gate = next(c for c in prefill["status"]["conditions"] if c["type"] == m.LINKED_GATE)
     assert gate["status"] == "True" and gate["reason"] == "Linked"
-    assert _conditions(prefill)["Ready"] == "True" and _conditions(decode)["Ready"] == "True"
     # The workers hold the link the operator made.
     assert worker_metric(prefill, "disagg_links") == 1 and worker_metric(decode, "disagg_links") == 1
     assert _chat(prefill["status"]["podIP"]) == reference
