@@ -1,27 +1,34 @@
-"""PD against the mixed worker at concurrency 1, one request each in turn (a script, not a test).
+"""PD against the mixed worker, in turns on the same machine (a script, not a test).
 
 On a machine whose speed moves by half within minutes, two servers measured one
-after the other (bench_peers.py) compare badly at concurrency 1, where a round
-is a few dozen requests. Here both run at once, idle but for the request in
-flight, and take requests alternately (ABBA), so each pair of figures shares
-the machine's moment. Each request streams 128 tokens after a random prompt of
-256 token ids, greedy with ignore_eos, as bench_peers.py's load; the client
-keeps one connection per server.
+after the other (bench_peers.py) compare badly: the ratio is mostly the
+machine's moment. Here both run at once, idle but for the turn in flight, and
+take turns alternately (ABBA), so each pair of figures shares the machine's
+moment. A turn is `--requests-per-turn` requests sent by `--concurrency`
+clients, each sending its next as soon as its last ends (as `vllm bench serve
+--max-concurrency` does); each request streams 128 tokens after a random prompt
+of 256 token ids, greedy with ignore_eos, as bench_peers.py's load.
 
-    .venv/bin/python benchmarks/bench_pd_in_turn.py [--dtype float32] [--requests 12]
+    .venv/bin/python benchmarks/bench_pd_in_turn.py [--dtype float32] [--concurrency 1] [--turns 12]
 
-Prints, per server, the medians of TTFT, TPOT (first to last token over the
-tokens after the first) and the ratio PD / mixed of each.
+Prints, per turn and then as medians over the turns of each server: output
+tokens per second, the median TTFT and TPOT (first to last token over the
+tokens after the first), and the CPU time each worker process spent per output
+token (user + system, from /proc; the PD pair's as decode + prefill); then the
+ratios PD / mixed.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -32,6 +39,21 @@ from bench_serving import running_mixed
 from disagg.workers.demo import running_pair
 
 PROMPT_TOKENS, OUTPUT_TOKENS = 256, 128
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Turn:
+    tokens_per_s: float
+    ttft_s: float  # median over the turn's requests
+    tpot_s: float
+    cpu_per_token_s: list[float]  # per worker process
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, all its threads, so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICKS_PER_S  # utime and stime, /proc's fields 14 and 15
 
 
 def timed_request(client: httpx.Client, url: str, prompt: list[int]) -> tuple[float, float]:
@@ -47,34 +69,67 @@ def timed_request(client: httpx.Client, url: str, prompt: list[int]) -> tuple[fl
     return stamps[0] - began, (stamps[-1] - stamps[0]) / (len(stamps) - 1)
 
 
+def run_turn(client: httpx.Client, url: str, pids: list[int], prompts: list[list[int]], concurrency: int) -> Turn:
+    cpu_before = [cpu_seconds(pid) for pid in pids]
+    began = time.monotonic()
+    with ThreadPoolExecutor(concurrency) as pool:
+        timings = list(pool.map(lambda prompt: timed_request(client, url, prompt), prompts))
+    elapsed = time.monotonic() - began
+    tokens = len(prompts) * OUTPUT_TOKENS
+    ttfts, tpots = zip(*timings)
+    return Turn(tokens / elapsed, statistics.median(ttfts), statistics.median(tpots),
+                [(cpu_seconds(pid) - before) / tokens for pid, before in zip(pids, cpu_before)])
+
+
+def describe(turn: Turn) -> str:
+    return (f"{turn.tokens_per_s:6.1f} tok/s  TTFT {turn.ttft_s * 1000:7.1f} ms  TPOT {turn.tpot_s * 1000:5.1f} ms"
+            "  CPU per token " + " + ".join(f"{c * 1000:.1f}" for c in turn.cpu_per_token_s) + " ms")
+
+
+def median_turn(turns: list[Turn]) -> Turn:
+    return Turn(statistics.median(t.tokens_per_s for t in turns), statistics.median(t.ttft_s for t in turns),
+                statistics.median(t.tpot_s for t in turns),
+                [statistics.median(column) for column in zip(*(t.cpu_per_token_s for t in turns))])
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="builtin:smollm2-135m")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--requests", type=int, default=12, help="requests per server (default %(default)s)")
+    p.add_argument("--concurrency", type=int, default=1)
+    p.add_argument("--requests-per-turn", type=int, default=None,
+                   help="default: 1 at concurrency 1, else twice the concurrency")
+    p.add_argument("--turns", type=int, default=12, help="turns per server (default %(default)s)")
     args = p.parse_args()
+    per_turn = args.requests_per_turn or (1 if args.concurrency == 1 else 2 * args.concurrency)
     rng = random.Random(0)
+
+    def prompts(n: int) -> list[list[int]]:
+        return [[rng.randrange(100, 40000) for _ in range(PROMPT_TOKENS)] for _ in range(n)]
+
     extra = ["--served-model-name", SERVED, "--max-model-len", "2048", "--dtype", args.dtype]
-    figures: dict[str, list[tuple[float, float]]] = {"mixed": [], "PD": []}
-    with tempfile.TemporaryDirectory(prefix="bench-pd-in-turn-") as logs, httpx.Client(timeout=300) as client, \
+    turns: dict[str, list[Turn]] = {"mixed": [], "PD": []}
+    limits = httpx.Limits(max_connections=2 * args.concurrency)
+    with tempfile.TemporaryDirectory(prefix="bench-pd-in-turn-") as logs, \
+            httpx.Client(timeout=300, limits=limits) as client, \
             running_mixed(args.model, Path(logs) / "mixed", extra) as mixed, \
-            running_pair(args.model, Path(logs) / "pd", extra, STARTUP_S) as (prefill, _decode):
+            running_pair(args.model, Path(logs) / "pd", extra, STARTUP_S) as (prefill, decode):
         urls = {"mixed": mixed.base_url, "PD": prefill.base_url}
-        for url in urls.values():  # a first request each, not counted
-            timed_request(client, url, [rng.randrange(100, 40000) for _ in range(PROMPT_TOKENS)])
-        for i in range(args.requests):
+        pids = {"mixed": [mixed.process.pid], "PD": [decode.process.pid, prefill.process.pid]}
+        for name in urls:  # a first turn each, not counted
+            run_turn(client, urls[name], pids[name], prompts(min(per_turn, 2)), args.concurrency)
+        for i in range(args.turns):
             for name in ("mixed", "PD") if i % 2 == 0 else ("PD", "mixed"):
-                prompt = [rng.randrange(100, 40000) for _ in range(PROMPT_TOKENS)]
-                figures[name].append(timed_request(client, urls[name], prompt))
-                ttft, tpot = figures[name][-1]
-                print(f"{name:5} TTFT {ttft * 1000:7.1f} ms  TPOT {tpot * 1000:5.1f} ms", flush=True)
-    medians = {name: [statistics.median(column) for column in zip(*rows)] for name, rows in figures.items()}
-    print(f"\n{args.dtype}, {args.requests} requests each, medians:")
-    for name, (ttft, tpot) in medians.items():
-        print(f"  {name:5} TTFT {ttft * 1000:7.1f} ms  TPOT {tpot * 1000:5.1f} ms  ({1 / tpot:.1f} tok/s while streaming)")
-    (m_ttft, m_tpot), (pd_ttft, pd_tpot) = medians["mixed"], medians["PD"]
-    print(f"  PD / mixed: TTFT {pd_ttft / m_ttft:.2f}x, TPOT {pd_tpot / m_tpot:.2f}x, "
-          f"tok/s while streaming {m_tpot / pd_tpot:.2f}x")
+                turns[name].append(run_turn(client, urls[name], pids[name], prompts(per_turn), args.concurrency))
+                print(f"{name:5} {describe(turns[name][-1])}", flush=True)
+    print(f"\n{args.dtype}, concurrency {args.concurrency}, {args.turns} turns of {per_turn} requests each, "
+          "medians over the turns:")
+    mixed_turn, pd_turn = median_turn(turns["mixed"]), median_turn(turns["PD"])
+    for name, turn in (("mixed", mixed_turn), ("PD", pd_turn)):
+        print(f"  {name:5} {describe(turn)}")
+    print(f"  PD / mixed: tok/s {pd_turn.tokens_per_s / mixed_turn.tokens_per_s:.2f}x, "
+          f"TTFT {pd_turn.ttft_s / mixed_turn.ttft_s:.2f}x, TPOT {pd_turn.tpot_s / mixed_turn.tpot_s:.2f}x, "
+          f"CPU per token {sum(pd_turn.cpu_per_token_s) / sum(mixed_turn.cpu_per_token_s):.2f}x")
     return 0
 
 

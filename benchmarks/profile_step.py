@@ -14,12 +14,19 @@ Run it with and without the C kernels to compare them on the same machine:
     DISAGG_CPU_KERNELS=off .venv/bin/python benchmarks/profile_step.py    # PyTorch ops only (before)
     DISAGG_CPU_ATTENTION=gather .venv/bin/python benchmarks/profile_step.py   # 4-bit projections only
     DISAGG_CPU_LINEAR=onednn .venv/bin/python benchmarks/profile_step.py   # float32 projections by oneDNN
+
+"Python and framework" is a difference of two timings, noisy where a row has
+few steps; `--python-top N` also runs each row's steps under cProfile and
+prints the N functions with the most time of their own, ops included.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import os
+import pstats
 import random
 import statistics
 import sys
@@ -66,9 +73,11 @@ def build_engine(model: str, dtype: str, batch: int, context: int, step_tokens: 
     return LLMEngine.from_config(config)
 
 
-def measure(engine: LLMEngine, steps: int, prepare: Callable[[], None]) -> tuple[float, dict[str, float]]:
+def measure(engine: LLMEngine, steps: int, prepare: Callable[[], None],
+            python: cProfile.Profile | None = None) -> tuple[float, dict[str, float]]:
     """(median wall ms of a step, ms per step by kind): `steps` steps timed, then
-    `steps` profiled; `prepare` runs before each, untimed."""
+    `steps` profiled, then `steps` under `python` if given; `prepare` runs before
+    each, untimed."""
     walls = []
     for _ in range(steps):
         prepare()
@@ -82,6 +91,12 @@ def measure(engine: LLMEngine, steps: int, prepare: Callable[[], None]) -> tuple
             engine.step()
         for event in prof.key_averages():
             by_kind[kind_of(event.key)] += event.self_cpu_time_total / 1000 / steps
+    if python is not None:
+        for _ in range(steps):
+            prepare()
+            python.enable()
+            engine.step()
+            python.disable()
     wall = statistics.median(walls)
     by_kind[PYTHON] = max(0.0, wall - sum(by_kind.values()))
     return wall, dict(by_kind)
@@ -91,23 +106,25 @@ def random_prompt(rng: random.Random, tokens: int) -> list[int]:
     return [rng.randrange(1000, 40000) for _ in range(tokens)]
 
 
-def profile_batch(engine: LLMEngine, batch: int, prompt_tokens: int, steps: int) -> tuple[float, dict[str, float]]:
+def profile_batch(engine: LLMEngine, batch: int, prompt_tokens: int, steps: int,
+                  python: cProfile.Profile | None = None) -> tuple[float, dict[str, float]]:
     """(median wall ms of a decode step, ms per step by kind) for `batch` running requests."""
     rng = random.Random(batch)
-    params = SamplingParams(temperature=0.0, max_tokens=2 * steps + 10, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=3 * steps + 10, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"profile-{batch}-{i}", random_prompt(rng, prompt_tokens), params)
     while engine.num_waiting or any(r.num_computed_tokens < prompt_tokens for r in engine.scheduler.running):
         engine.step()  # prefill
     for _ in range(3):
         engine.step()
-    result = measure(engine, steps, prepare=lambda: None)
+    result = measure(engine, steps, lambda: None, python)
     while engine.has_unfinished_requests:
         engine.step()
     return result
 
 
-def profile_prefill(engine: LLMEngine, prompts: int, prompt_tokens: int, steps: int) -> tuple[float, dict[str, float]]:
+def profile_prefill(engine: LLMEngine, prompts: int, prompt_tokens: int, steps: int,
+                    python: cProfile.Profile | None = None) -> tuple[float, dict[str, float]]:
     """(median wall ms, ms by kind) of a step that prefills `prompts` new prompts at once."""
     rng = random.Random(prompts)
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -121,7 +138,7 @@ def profile_prefill(engine: LLMEngine, prompts: int, prompt_tokens: int, steps: 
 
     add_prompts()
     engine.step()  # warm
-    return measure(engine, steps, prepare=add_prompts)
+    return measure(engine, steps, add_prompts, python)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -136,6 +153,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    "in one profiled step (default: 8, a step of the peers benchmark's first wave at c=32; 0: none)")
     p.add_argument("--prefill-tokens", type=int, default=256)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--python-top", type=int, default=0, metavar="N",
+                   help="also print each row's N functions with the most own time under cProfile")
     return p.parse_args(argv)
 
 
@@ -149,15 +168,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"command: {' '.join(sys.orig_argv)}")
     print(f"{args.model}, {args.dtype}, {torch.get_num_threads()} threads, decode attention: {path}; "
           f"load average {' / '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    context = max(args.prompt_tokens + 2 * args.steps + 20, args.prefill_tokens + 1)
+    context = max(args.prompt_tokens + 3 * args.steps + 20, args.prefill_tokens + 1)
     prefill_tokens = args.prefill_prompts * args.prefill_tokens
     engine = build_engine(args.model, args.dtype, max(*args.batch_sizes, args.prefill_prompts), context,
                           max(prefill_tokens, max(args.batch_sizes)))
-    rows = [(f"decode, batch {batch}", *profile_batch(engine, batch, args.prompt_tokens, args.steps))
-            for batch in args.batch_sizes]
+    pythons: dict[str, tuple[cProfile.Profile, int]] = {}
+
+    def python_profile(row: str, steps: int) -> cProfile.Profile | None:
+        if not args.python_top:
+            return None
+        pythons[row] = (cProfile.Profile(), steps)
+        return pythons[row][0]
+
+    rows = []
+    for batch in args.batch_sizes:
+        row = f"decode, batch {batch}"
+        rows.append((row, *profile_batch(engine, batch, args.prompt_tokens, args.steps,
+                                         python_profile(row, args.steps))))
     if args.prefill_prompts:
-        rows.append((f"prefill, {args.prefill_prompts} x {args.prefill_tokens} tokens",
-                     *profile_prefill(engine, args.prefill_prompts, args.prefill_tokens, max(1, args.steps // 5))))
+        row, steps = f"prefill, {args.prefill_prompts} x {args.prefill_tokens} tokens", max(1, args.steps // 5)
+        rows.append((row, *profile_prefill(engine, args.prefill_prompts, args.prefill_tokens, steps,
+                                           python_profile(row, steps))))
     kinds = [*KINDS, OTHER, PYTHON]
     print("\n| ms per step | " + " | ".join(name for name, _, _ in rows) + " |")
     print("|---|" + "---:|" * len(rows))
@@ -165,6 +196,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for kind in kinds:
         if any(split.get(kind, 0.0) >= 0.05 for _, _, split in rows):
             print(f"| {kind} | " + " | ".join(f"{split.get(kind, 0.0):.1f}" for _, _, split in rows) + " |")
+    for row, (python, steps) in pythons.items():
+        text = io.StringIO()
+        pstats.Stats(python, stream=text).sort_stats("tottime").print_stats(args.python_top)
+        print(f"\n{row}: cProfile over {steps} steps, by own time\n{text.getvalue().strip()}")
     print(f"load average after: {' / '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 0
 
