@@ -15,7 +15,7 @@ import jsonschema
 import pytest
 
 from disagg.workers.engine.config import EngineConfig
-from disagg.workers.engine.grammar import GrammarKind, Grammars, build_grammar
+from disagg.workers.engine.grammar import GrammarKind, Grammars, build_grammar, closed_objects
 from disagg.workers.engine.llm_engine import LLMEngine
 from disagg.workers.engine.outputs import FinishReason
 from disagg.workers.engine.sampling_params import SamplingParams
@@ -145,3 +145,47 @@ def test_compiled_grammars_are_cached_and_bounded(engine: LLMEngine) -> None:
     a, b = grammars.constraint(texts[2]), grammars.constraint(texts[2])
     a.advance(int(a.allowed().nonzero()[0]))
     assert not (a.allowed() == b.allowed()).all(), "copies share no state"
+
+
+def _accepts(grammars: Grammars, grammar: str, token_ids: list[int]) -> bool:
+    """Whether the grammar allows these tokens, one after the other."""
+    constraint = grammars.constraint(grammar)
+    for token_id in token_ids:
+        if not constraint.allowed()[token_id]:
+            return False
+        constraint.advance(token_id)
+    return True
+
+
+def test_an_object_that_lists_its_properties_allows_no_others_unless_it_says_so(engine: LLMEngine) -> None:
+    assert engine.tokenizer is not None
+    grammars = Grammars(engine.tokenizer, engine.model_config.vocab_size)
+    point = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    extra, exact = (engine.tokenizer.encode(text, add_special_tokens=False) for text in ('{"x":1,"y":2}', '{"x":1}'))
+    schemas = {
+        "closed": point,
+        "nested, closed": {"type": "array", "items": {"type": "object", "properties": {"p": point}}},
+        "open": {**point, "additionalProperties": True},
+        "open to integers": {**point, "additionalProperties": {"type": "integer"}},
+    }
+    accepted = {name: _accepts(grammars, build_grammar(GrammarKind.JSON_SCHEMA, schema), extra)
+                for name, schema in schemas.items() if not name.startswith("nested")}
+    assert accepted == {"closed": False, "open": True, "open to integers": True}
+    assert _accepts(grammars, build_grammar(GrammarKind.JSON_SCHEMA, point), exact)
+    nested = build_grammar(GrammarKind.JSON_SCHEMA, schemas["nested, closed"])
+    inner_extra = engine.tokenizer.encode('[{"p":{"x":1,"y":2}}]', add_special_tokens=False)
+    assert not _accepts(grammars, nested, inner_extra)
+    assert _accepts(grammars, nested, engine.tokenizer.encode('[{"p":{"x":1}}]', add_special_tokens=False))
+
+
+def test_closing_objects_leaves_what_the_schema_composes_alone() -> None:
+    part = {"type": "object", "properties": {"a": {"type": "string"}}}
+    schema = {"allOf": [part, {"properties": {"b": {"type": "string"}}}],
+              "$defs": {"p": part}, "properties": {"q": {"$ref": "#/$defs/p", "properties": {"c": {}}}}}
+    closed = closed_objects(schema)
+    assert closed["allOf"] == schema["allOf"]  # an allOf's branches stay open: each adds properties
+    assert "additionalProperties" not in closed  # it takes allOf
+    assert closed["$defs"]["p"]["additionalProperties"] is False
+    assert "additionalProperties" not in closed["properties"]["q"]  # beside a $ref
+    assert closed_objects({"enum": [{"properties": 1}]}) == {"enum": [{"properties": 1}]}  # values are not schemas
+    assert "additionalProperties" not in part  # the caller's schema is not changed

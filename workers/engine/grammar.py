@@ -38,12 +38,44 @@ class GrammarKind(str, Enum):
     LARK = "lark"
 
 
+# Where a schema keeps the subschemas that shape its values: one, a list, or a map of names
+# to them. Conditions (`not`, `if`, `contains`, ...) are left as written.
+_ONE_SUBSCHEMA = ("additionalProperties", "items", "additionalItems", "unevaluatedProperties", "unevaluatedItems")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+
+
+def closed_objects(schema: Any, closable: bool = True) -> Any:
+    """A copy of `schema` where each object that lists `properties` and says nothing of
+    others (`additionalProperties`, `unevaluatedProperties`) allows only those, as
+    xgrammar (in its default strict mode) and llama.cpp read a schema: a model asked
+    for {name, age} should not add keys of its own. An object
+    that also takes `allOf` or `$ref`, or is itself a branch of an `allOf`, is left
+    open: closing it would refuse the properties its siblings add."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _ONE_SUBSCHEMA:
+        if isinstance(out.get(key), dict):
+            out[key] = closed_objects(out[key])
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(sub, closable=key != "allOf") for sub in out[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_objects(sub) for name, sub in out[key].items()}
+    says_nothing = "additionalProperties" not in out and "unevaluatedProperties" not in out
+    if closable and says_nothing and isinstance(out.get("properties"), dict) and not {"allOf", "$ref"} & out.keys():
+        out["additionalProperties"] = False
+    return out
+
+
 def build_grammar(kind: GrammarKind, value: Any) -> str:
     """llguidance's grammar text for one constraint; ValueError saying what is wrong."""
     if kind is GrammarKind.JSON_SCHEMA:
         if not isinstance(value, dict):
             raise ValueError("the JSON schema must be an object")
-        grammar = Matcher.grammar_from_json_schema(value, defaults=_JSON_OPTIONS)  # type: ignore[arg-type]
+        grammar = Matcher.grammar_from_json_schema(closed_objects(value), defaults=_JSON_OPTIONS)  # type: ignore[arg-type]
     elif kind is GrammarKind.JSON_OBJECT:
         grammar = Matcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)  # type: ignore[arg-type]
     elif kind is GrammarKind.REGEX:
@@ -66,7 +98,7 @@ def build_grammar(kind: GrammarKind, value: Any) -> str:
 def lark_json(schema: dict[str, Any]) -> str:
     """A Lark rule body that matches compact JSON valid under `schema`
     (llguidance's `%json` extension), for grammars that embed JSON."""
-    return "%json " + json.dumps({"x-guidance": _JSON_OPTIONS, **schema})
+    return "%json " + json.dumps({"x-guidance": _JSON_OPTIONS, **closed_objects(schema)})
 
 
 def check_grammar(grammar: str) -> None:
