@@ -168,16 +168,20 @@ def test_none_offers_no_tools_and_parses_nothing(client: openai.OpenAI, served: 
     assert r.choices[0].message.content == CALL and r.choices[0].message.tool_calls is None
 
 
-def _streamed(client: openai.OpenAI, model: str, **fields: Any) -> tuple[Any, list[Any]]:
-    """The final message the client's stream helper assembles, and the raw tool-call deltas."""
+def _streamed(client: openai.OpenAI, model: str, **fields: Any) -> tuple[Any, list[Any], int]:
+    """The final message the client's stream helper assembles, the raw tool-call deltas, and
+    the chunks that carried nothing (no delta, finish reason, logprobs or token ids)."""
     body: dict[str, Any] = {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 200, "temperature": 0}
     body.update(fields)
-    deltas = []
+    deltas, empty = [], 0
     with client.chat.completions.stream(model=model, **body) as stream:
         for event in stream:
             if event.type == "chunk" and event.chunk.choices:
-                deltas += event.chunk.choices[0].delta.tool_calls or []
-        return stream.get_final_completion(), deltas
+                choice = event.chunk.choices[0]
+                deltas += choice.delta.tool_calls or []
+                empty += not (choice.delta.model_dump(exclude_none=True) or choice.finish_reason or choice.logprobs
+                              or (choice.model_extra or {}).get("token_ids"))
+        return stream.get_final_completion(), deltas, empty
 
 
 @pytest.mark.parametrize("fields", [
@@ -188,7 +192,8 @@ def _streamed(client: openai.OpenAI, model: str, **fields: Any) -> tuple[Any, li
 def test_streamed_tool_calls_reassemble_to_the_whole_response(client: openai.OpenAI, served: Any,
                                                               fields: dict[str, Any]) -> None:
     whole = _chat(client, served.model, **fields).choices[0]
-    final, deltas = _streamed(client, served.model, **fields)
+    final, deltas, empty = _streamed(client, served.model, **fields)
+    assert empty == 0  # the text of a call held back while it is parsed sends no chunk
     streamed = final.choices[0]
     assert streamed.finish_reason == whole.finish_reason
     assert streamed.message.content == whole.message.content

@@ -239,7 +239,9 @@ class OpenAIServing:
                 async for choice, out in outputs:
                     if not (out.new_text or out.new_token_ids or out.finished):
                         continue
-                    yield _sse(self._chunk(call, choice, out, parsers.get(choice.index)))
+                    chunk = self._chunk(call, choice, out, parsers.get(choice.index))
+                    if chunk is not None:
+                        yield _sse(chunk)
             if call.include_usage:
                 usage = call.usage(choices)
                 if call.kind == "chat":
@@ -256,7 +258,9 @@ class OpenAIServing:
             yield _sse(ErrorResponse(error=info))
         yield "data: [DONE]\n\n"
 
-    def _chunk(self, call: Call, choice: Choice, out: RequestOutput, parser: ToolCallParser | None) -> BaseModel:
+    def _chunk(self, call: Call, choice: Choice, out: RequestOutput, parser: ToolCallParser | None) -> BaseModel | None:
+        """The chunk of one output; None for a chat chunk that would carry nothing (a tool call's
+        text held back while it is parsed, without logprobs or token ids asked for), as vLLM skips it."""
         token_ids = out.new_token_ids if call.return_token_ids else None
         finish = out.finish_reason if out.finished else None
         stop_reason = out.stop_reason if out.finished else None
@@ -268,6 +272,8 @@ class OpenAIServing:
                 content, tool_calls = parser.feed(out.new_text, final=out.finished)
                 delta = ChatDelta(content=content or None, tool_calls=tool_calls or None)
                 chat_finish = _finish_reason(finish, parser.calls)
+                if not (content or tool_calls or chat_finish or call.wants_logprobs or token_ids is not None):
+                    return None
             return self._chat_chunk(
                 call, choice, delta,
                 logprobs=chat_logprobs(self.tokenizer, new_logprobs) if call.wants_logprobs else None,
