@@ -234,3 +234,26 @@ def test_usage_counts_cached_prompt_tokens(client: openai.OpenAI, served: Any) -
     assert again.usage.prompt_tokens_details is not None
     cached = again.usage.prompt_tokens_details.cached_tokens
     assert cached is not None and 0 < cached < again.usage.prompt_tokens
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_continuous_usage_stats_put_each_choices_usage_in_every_chunk(http: httpx.Client, served: Any,
+                                                                      path: str) -> None:
+    prompt: dict[str, Any] = {"prompt": ["Hello", "The capital of"]} if "chat" not in path else \
+        {"messages": [{"role": "user", "content": "Hello"}]}
+    body = {"model": served.model, **prompt, "max_tokens": 4, "n": 2, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}, **EXACT}
+    with http.stream("POST", path, json=body) as response:
+        events = _events(response)
+    whole = http.post(path, json={**body, "stream": False, "stream_options": None}).json()
+    made: dict[int, int] = {}
+    for event in events[:-1]:
+        (choice,) = event["choices"]
+        usage = event["usage"]
+        assert usage["completion_tokens"] >= made.get(choice["index"], 0)  # it only grows
+        made[choice["index"]] = usage["completion_tokens"]
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert made == {c["index"]: 4 for c in whole["choices"]}
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 4 * len(made)
+    prompts = {event["usage"]["prompt_tokens"] for event in events[:-1]}
+    assert sum(prompts) == whole["usage"]["prompt_tokens"]  # each prompt's own count (two differ, one chat)

@@ -227,6 +227,8 @@ async def _answer(state: AppState, kind: type[CompletionRequest | ChatCompletion
     call = Call(
         "chat" if is_chat else "completion", random_id("chatcmpl" if is_chat else "cmpl"), serving.backend.model.name,
         prepared, body.return_token_ids, include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        continuous_usage=bool(body.stream_options and body.stream_options.include_usage
+                              and body.stream_options.continuous_usage_stats),
         prompt_logprobs=body.prompt_logprobs,
     )
     wait_disconnect = _disconnect_waiter(request)

@@ -53,6 +53,7 @@ class StreamOptions(BaseModel):
     model_config = _REQUEST
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries its choice's usage
 
 
 class SamplingFields(BaseModel):

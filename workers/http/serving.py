@@ -98,6 +98,7 @@ class Call:
     prepared: Prepared
     return_token_ids: bool
     include_usage: bool  # streaming only: send a last chunk with usage
+    continuous_usage: bool = False  # streaming only: each chunk also carries its choice's usage so far
     prompt_logprobs: int | None = None  # vLLM's `prompt_logprobs` asked for: this many alternatives
     arrival: float = field(default_factory=time.monotonic)
 
@@ -124,6 +125,12 @@ class Call:
             prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
             served_by=next((c.served_by for c in choices if c.served_by), None),
         )
+
+    def choice_usage(self, choice: Choice) -> UsageInfo:
+        """One choice's usage so far: its prompt and its tokens (vLLM's continuous usage stats)."""
+        prompt = len(self.prepared.prompts[choice.prompt_index])
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=choice.num_output_tokens,
+                         total_tokens=prompt + choice.num_output_tokens)
 
     def shaped(self, out: RequestOutput) -> RequestOutput:
         """`max_tokens: 0` with echo: the token made to end the prompt's forward is not returned."""
@@ -234,14 +241,15 @@ class OpenAIServing:
                 # With tools the content may stay null (only calls), as OpenAI streams it.
                 content = "" if tools is None else None
                 for c in choices:
-                    yield _sse(self._chat_chunk(call, c, ChatDelta(role="assistant", content=content)))
+                    yield _sse(self._with_usage(call, c, self._chat_chunk(call, c, ChatDelta(role="assistant",
+                                                                                             content=content))))
             async with aclosing(self._outputs(call, choices, wait_disconnect)) as outputs:
                 async for choice, out in outputs:
                     if not (out.new_text or out.new_token_ids or out.finished):
                         continue
                     chunk = self._chunk(call, choice, out, parsers.get(choice.index))
                     if chunk is not None:
-                        yield _sse(chunk)
+                        yield _sse(self._with_usage(call, choice, chunk))
             if call.include_usage:
                 usage = call.usage(choices)
                 if call.kind == "chat":
@@ -258,7 +266,8 @@ class OpenAIServing:
             yield _sse(ErrorResponse(error=info))
         yield "data: [DONE]\n\n"
 
-    def _chunk(self, call: Call, choice: Choice, out: RequestOutput, parser: ToolCallParser | None) -> BaseModel | None:
+    def _chunk(self, call: Call, choice: Choice, out: RequestOutput, parser: ToolCallParser | None
+               ) -> ChatCompletionChunk | CompletionResponse | None:
         """The chunk of one output; None for a chat chunk that would carry nothing (a tool call's
         text held back while it is parsed, without logprobs or token ids asked for), as vLLM skips it."""
         token_ids = out.new_token_ids if call.return_token_ids else None
@@ -294,6 +303,13 @@ class OpenAIServing:
                 )
             ],
         )
+
+    @staticmethod
+    def _with_usage(call: Call, choice: Choice, chunk: ChatCompletionChunk | CompletionResponse
+                    ) -> ChatCompletionChunk | CompletionResponse:
+        if call.continuous_usage:
+            chunk.usage = call.choice_usage(choice)
+        return chunk
 
     @staticmethod
     def _chat_chunk(call: Call, choice: Choice, delta: ChatDelta, **fields: object) -> ChatCompletionChunk:
