@@ -49,9 +49,9 @@ def closed_objects(schema: Any, closable: bool = True) -> Any:
     """A copy of `schema` where each object that lists `properties` and says nothing of
     others (`additionalProperties`, `unevaluatedProperties`) allows only those, as
     xgrammar (in its default strict mode) and llama.cpp read a schema: a model asked
-    for {name, age} should not add keys of its own. An object
-    that also takes `allOf` or `$ref`, or is itself a branch of an `allOf`, is left
-    open: closing it would refuse the properties its siblings add."""
+    for {name, age} should not add keys of its own. An object that also takes `allOf`
+    or `$ref`, or is itself a branch of an `allOf`, is left open: closing it would
+    refuse the properties its siblings add."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)

@@ -241,8 +241,8 @@ class OpenAIServing:
                 # With tools the content may stay null (only calls), as OpenAI streams it.
                 content = "" if tools is None else None
                 for c in choices:
-                    yield _sse(self._with_usage(call, c, self._chat_chunk(call, c, ChatDelta(role="assistant",
-                                                                                             content=content))))
+                    role = self._chat_chunk(call, c, ChatDelta(role="assistant", content=content))
+                    yield _sse(self._with_usage(call, c, role))
             async with aclosing(self._outputs(call, choices, wait_disconnect)) as outputs:
                 async for choice, out in outputs:
                     if not (out.new_text or out.new_token_ids or out.finished):
