@@ -159,6 +159,10 @@ def test_a_decode_refuses_chat_from_clients(cluster: Cluster) -> None:
                    json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 404
     assert "decode instance" in r.json()["error"]["message"]
+    # vLLM's /tokenize is a client route too: on the prefill, not on a decode.
+    tokenize = {"model": MODEL, "prompt": "hi"}
+    assert httpx.post(f"{cluster.d1.base_url}/tokenize", json=tokenize, timeout=10.0).status_code == 404
+    assert httpx.post(f"{cluster.prefills[0].base_url}/tokenize", json=tokenize, timeout=10.0).json()["count"] > 0
 
 
 # --- links and readiness ---------------------------------------------------------

@@ -15,7 +15,7 @@ int}`, where in_flight = disagg_requests_running + disagg_requests_waiting.
 
 A completion's body is read with a size bound, then parsed, validated and
 tokenised in a thread: the loop also serves gRPC and every stream, and a large
-body must not stall them.
+body must not stall them. So are the bodies of vLLM's /tokenize and /detokenize.
 """
 
 from __future__ import annotations
@@ -36,8 +36,12 @@ from disagg.workers.http.edge import Admission, RequestCheck, bearer_check, max_
 from disagg.workers.http.errors import APIError, NoSuchModel, NotReady, install_error_handlers
 from disagg.workers.http.fanout import ClientDisconnected
 from disagg.workers.http.prepare import Prepared, prepare_chat, prepare_completion
-from disagg.workers.http.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, random_id
+from disagg.workers.http.protocol import (
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
+    TokenizeRequest, TokenizeResponse, random_id,
+)
 from disagg.workers.http.serving import Call, OpenAIServing
+from disagg.workers.http.tokenize import detokenize, tokenize
 from disagg.workers.metrics import CONTENT_TYPE, RequestOutcome, WorkerMetrics
 from disagg.workers.security.key import ClusterKey
 
@@ -134,6 +138,8 @@ def build_app(state: AppState, client_api: bool = True, api_key: str | None = No
 
         @app.post("/v1/completions", dependencies=auth)
         @app.post("/v1/chat/completions", dependencies=auth)
+        @app.post("/tokenize", dependencies=auth)
+        @app.post("/detokenize", dependencies=auth)
         async def no_completions() -> Response:
             raise APIError(NO_CLIENT_API, 404, "not_found_error")
 
@@ -147,7 +153,17 @@ def build_app(state: AppState, client_api: bool = True, api_key: str | None = No
     async def chat_completions(request: Request) -> Response:
         return await _answer(state, ChatCompletionRequest, request)
 
-    _document_bodies(app, [CompletionRequest, ChatCompletionRequest])
+    @app.post("/tokenize", dependencies=auth, openapi_extra=_json_body(TokenizeRequest))
+    async def tokenize_route(request: Request) -> TokenizeResponse:
+        backend = state.require_serving().backend
+        return await asyncio.to_thread(tokenize, await read_body(request), backend.model, backend.tokenizer)
+
+    @app.post("/detokenize", dependencies=auth, openapi_extra=_json_body(DetokenizeRequest))
+    async def detokenize_route(request: Request) -> DetokenizeResponse:
+        backend = state.require_serving().backend
+        return await asyncio.to_thread(detokenize, await read_body(request), backend.model, backend.tokenizer)
+
+    _document_bodies(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest])
     return app
 
 

@@ -63,7 +63,7 @@ def prepare_completion(req: CompletionRequest, model: ModelInfo, tokenizer: Toke
             ids = tokenizer.encode(prompt) if prompt else []
         else:
             ids = list(prompt)
-            _check_token_ids(ids, model)
+            check_token_ids(ids, model)
         if not ids:
             raise BadRequest("prompt must not be empty", "prompt")
         if req.echo:
@@ -94,17 +94,7 @@ def _prompts(prompt: str | list[int] | list[str] | list[list[int]]) -> list[str]
 def prepare_chat(req: ChatCompletionRequest, model: ModelInfo, tokenizer: Tokenizer) -> Prepared:
     check_model(req.model, model)
     check_extra_fields(req)
-    if not req.messages:
-        raise BadRequest("messages must not be empty", "messages")
-    plan = plan_tools(req)
-    messages, tools = render_input([_message(i, m) for i, m in enumerate(req.messages)], plan,
-                                   tokenizer.template_takes_tools)
-    try:
-        ids = tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt, tools=tools)
-    except TemplateError as exc:
-        raise BadRequest(f"the chat template rejected the messages: {exc}", "messages") from exc
-    if not ids:
-        raise BadRequest("the messages render to an empty prompt", "messages")
+    ids, plan = chat_prompt(req, tokenizer)
     if req.top_logprobs is not None and not req.logprobs:
         raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -116,6 +106,23 @@ def prepare_chat(req: ChatCompletionRequest, model: ModelInfo, tokenizer: Tokeni
                              "named function or strict tools, which constrain the output to their format", "tool_choice")
         params = replace(params, grammar=plan.grammar)
     return Prepared(ids, params, plan if plan is not None and plan.offered else None)
+
+
+def chat_prompt(req: ChatCompletionRequest, tokenizer: Tokenizer) -> tuple[list[int], ToolPlan | None]:
+    """The token ids of a chat request's prompt (its messages and the tools it offers, in the
+    model's template), and its tool plan."""
+    if not req.messages:
+        raise BadRequest("messages must not be empty", "messages")
+    plan = plan_tools(req)
+    messages, tools = render_input([_message(i, m) for i, m in enumerate(req.messages)], plan,
+                                   tokenizer.template_takes_tools)
+    try:
+        ids = tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt, tools=tools)
+    except TemplateError as exc:
+        raise BadRequest(f"the chat template rejected the messages: {exc}", "messages") from exc
+    if not ids:
+        raise BadRequest("the messages render to an empty prompt", "messages")
+    return ids, plan
 
 
 def _message(index: int, message: ChatMessage) -> dict[str, Any]:
@@ -199,7 +206,7 @@ def guided_grammar(req: SamplingFields) -> str | None:
         raise BadRequest(f"{field}: {exc}", field) from None
 
 
-def _check_token_ids(ids: list[int] | tuple[int, ...], model: ModelInfo, field: str = "prompt") -> None:
+def check_token_ids(ids: list[int] | tuple[int, ...], model: ModelInfo, field: str = "prompt") -> None:
     bad = [i for i in ids if not 0 <= i < model.vocab_size]
     if bad:
         raise BadRequest(
@@ -242,7 +249,7 @@ def _sampling_params(
             "max_tokens",
         )
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
-    _check_token_ids(req.stop_token_ids or (), model, "stop_token_ids")
+    check_token_ids(req.stop_token_ids or (), model, "stop_token_ids")
     if req.prompt_logprobs is not None and req.stream and isinstance(req, ChatCompletionRequest):
         # A chat chunk has no place for them (vLLM refuses them too); completions stream them.
         raise BadRequest("prompt_logprobs cannot be streamed on chat completions", "prompt_logprobs")

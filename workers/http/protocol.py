@@ -160,6 +160,29 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool = True
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a `prompt` as /v1/completions reads it, or `messages` (with
+    `tools`) as /v1/chat/completions renders them."""
+
+    model_config = _REQUEST
+
+    model: str
+    prompt: str | None = None
+    add_special_tokens: bool = True  # a prompt's BOS and the like
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    tools: list[ToolSpec] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = _REQUEST
+
+    model: str
+    tokens: list[int]
+
+
 # --- responses --------------------------------------------------------------
 
 
@@ -310,3 +333,14 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
