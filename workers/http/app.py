@@ -28,17 +28,17 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from disagg.workers import tracing
 from disagg.workers.http.backend import NO_CLIENT_API, Backend, Health, ModelInfo
-from disagg.workers.http.edge import Admission, RequestCheck, bearer_check, max_in_flight, read_body
+from disagg.workers.http.edge import Admission, RequestCheck, bearer_check, max_in_flight, parse_body, read_body
 from disagg.workers.http.errors import APIError, NoSuchModel, NotReady, install_error_handlers
 from disagg.workers.http.fanout import ClientDisconnected
 from disagg.workers.http.prepare import Prepared, prepare_chat, prepare_completion
 from disagg.workers.http.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
-    TokenizeRequest, TokenizeResponse, random_id,
+    StreamOptions, TokenizeRequest, TokenizeResponse, random_id,
 )
 from disagg.workers.http.serving import Call, OpenAIServing
 from disagg.workers.http.tokenize import detokenize, tokenize
@@ -240,11 +240,11 @@ async def _answer(state: AppState, kind: type[CompletionRequest | ChatCompletion
         state.metrics.count_request(RequestOutcome.REJECTED)
         raise
     is_chat = isinstance(body, ChatCompletionRequest)
+    stream_options = body.stream_options or StreamOptions()
     call = Call(
         "chat" if is_chat else "completion", random_id("chatcmpl" if is_chat else "cmpl"), serving.backend.model.name,
-        prepared, body.return_token_ids, include_usage=bool(body.stream_options and body.stream_options.include_usage),
-        continuous_usage=bool(body.stream_options and body.stream_options.include_usage
-                              and body.stream_options.continuous_usage_stats),
+        prepared, body.return_token_ids, include_usage=stream_options.include_usage,
+        continuous_usage=stream_options.include_usage and stream_options.continuous_usage_stats,
         prompt_logprobs=body.prompt_logprobs,
     )
     wait_disconnect = _disconnect_waiter(request)
@@ -266,10 +266,7 @@ def _parse_and_prepare(
     kind: type[CompletionRequest | ChatCompletionRequest], raw: bytes, serving: OpenAIServing
 ) -> tuple[CompletionRequest | ChatCompletionRequest, Prepared]:
     """Runs in a thread: JSON parsing and tokenisation of a large body take long."""
-    try:
-        body = kind.model_validate_json(raw)
-    except ValidationError as exc:
-        raise RequestValidationError(exc.errors(include_url=False)) from None
+    body = parse_body(kind, raw)
     backend = serving.backend
     if isinstance(body, ChatCompletionRequest):
         return body, prepare_chat(body, backend.model, backend.tokenizer)

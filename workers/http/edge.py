@@ -1,13 +1,17 @@
 """What the client port checks before a request costs anything: the API key,
-the body's size, and how many requests the worker already holds."""
+the body's size, and how many requests the worker already holds; and the body's
+shape, once read."""
 
 from __future__ import annotations
 
 import hmac
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
+from typing import TypeVar
 
 from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
 
 from disagg.workers.http.errors import BodyTooLarge, Overloaded, Unauthorized
 
@@ -32,6 +36,18 @@ def bearer_check(api_key: str) -> RequestCheck:
             raise Unauthorized("a valid API key is required: send 'Authorization: Bearer <key>'")
 
     return check
+
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+def parse_body(kind: type[Body], raw: bytes) -> Body:
+    """A body read by read_body, validated as `kind`; FastAPI's validation error (a 400 in
+    OpenAI's shape, naming the field) when it does not fit."""
+    try:
+        return kind.model_validate_json(raw)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors(include_url=False)) from None
 
 
 async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:

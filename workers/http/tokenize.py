@@ -8,13 +8,9 @@ it. Both run in a thread: tokenising a long body takes long.
 
 from __future__ import annotations
 
-from typing import TypeVar
-
-from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ValidationError
-
 from disagg.workers.engine.tokenizer import Tokenizer
 from disagg.workers.http.backend import ModelInfo
+from disagg.workers.http.edge import parse_body
 from disagg.workers.http.errors import BadRequest
 from disagg.workers.http.prepare import chat_prompt, check_model, check_token_ids
 from disagg.workers.http.protocol import (
@@ -23,7 +19,7 @@ from disagg.workers.http.protocol import (
 
 
 def tokenize(raw: bytes, model: ModelInfo, tokenizer: Tokenizer) -> TokenizeResponse:
-    req = _parse(TokenizeRequest, raw)
+    req = parse_body(TokenizeRequest, raw)
     check_model(req.model, model)
     if (req.prompt is None) == (req.messages is None):
         raise BadRequest("give either prompt or messages", "prompt" if req.prompt is None else "messages")
@@ -45,17 +41,8 @@ def tokenize(raw: bytes, model: ModelInfo, tokenizer: Tokenizer) -> TokenizeResp
 
 
 def detokenize(raw: bytes, model: ModelInfo, tokenizer: Tokenizer) -> DetokenizeResponse:
-    req = _parse(DetokenizeRequest, raw)
+    req = parse_body(DetokenizeRequest, raw)
     check_model(req.model, model)
     check_token_ids(req.tokens, model, "tokens")
     return DetokenizeResponse(prompt=tokenizer.decode(req.tokens, skip_special_tokens=False))
 
-
-Body = TypeVar("Body", bound=BaseModel)
-
-
-def _parse(kind: type[Body], raw: bytes) -> Body:
-    try:
-        return kind.model_validate_json(raw)
-    except ValidationError as exc:
-        raise RequestValidationError(exc.errors(include_url=False)) from None
