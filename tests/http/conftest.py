@@ -5,6 +5,8 @@ tests of one session.
 Fixtures:
 - `served`: a `ServedWorker` (base URL, model name, log) of a running worker.
 - `worker_launcher`: a context manager that runs a worker of one's own.
+- `long_context_worker`: another, of `long_model_dir`'s model of 2048 positions
+  (tool calls, /v1/responses).
 - `http`: an httpx client bound to it.
 - `read_metric`: the value of an unlabelled sample of its /metrics.
 """
@@ -22,6 +24,7 @@ import openai
 import pytest
 
 from disagg.workers.engine.tokenizer import Tokenizer
+from disagg.testing.tiny_model import build_tiny_model
 from disagg.workers.local import WorkerFailed, WorkerProcess, spawn_worker
 
 MODEL_NAME = "tiny-llama"
@@ -31,6 +34,7 @@ STARTUP_TIMEOUT_S = 180.0
 BLOCK_SIZE = 4
 NUM_KV_BLOCKS = 1024
 MAX_MODEL_LEN = 512
+LONG_CONTEXT = 2048  # long_context_worker's
 
 
 @dataclass(frozen=True)
@@ -98,6 +102,22 @@ def served(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         yield worker
 
 
+@pytest.fixture(scope="session")
+def long_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny model of LONG_CONTEXT positions: tool listings and replayed histories make
+    long prompts with the tiny byte-level tokenizer."""
+    return build_tiny_model("llama", tmp_path_factory.mktemp("long-model"), context=LONG_CONTEXT)
+
+
+@pytest.fixture(scope="session")
+def long_context_worker(long_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedWorker]:
+    """A worker of long_model_dir's model."""
+    log_path = tmp_path_factory.mktemp("long-worker") / "worker.log"
+    with running_worker(str(long_model_dir), log_path, "--block-size", "16", "--num-kv-blocks", "1024",
+                        "--max-model-len", str(LONG_CONTEXT), "--max-num-seqs", "8") as worker:
+        yield worker
+
+
 @pytest.fixture
 def http(served: ServedWorker) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=served.base_url, timeout=60.0) as client:
@@ -120,7 +140,7 @@ def read_metric(http: httpx.Client) -> Callable[[str], float]:
 @pytest.fixture
 def client(served: ServedWorker) -> Iterator[openai.OpenAI]:
     """The openai client on the session's mixed worker."""
-    with openai.OpenAI(base_url=f"{served.base_url}/v1", api_key="unused", timeout=60.0, max_retries=0) as c:
+    with openai.OpenAI(base_url=f"{served.base_url}/v1", api_key="unused", timeout=120.0, max_retries=0) as c:
         yield c
 
 

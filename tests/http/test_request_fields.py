@@ -15,7 +15,8 @@ import httpx
 import openai
 import pytest
 
-from disagg.workers.http.fields import HARMLESS, REFUSED
+from disagg.workers.http.fields import HARMLESS, REFUSED, Refused
+from disagg.workers.http.responses import HARMLESS as RESPONSES_HARMLESS, REFUSED as RESPONSES_REFUSED
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -142,12 +143,16 @@ def test_openai_client_gets_a_bad_request_naming_the_field(client: openai.OpenAI
     assert ok.choices[0].finish_reason in ("length", "stop")
 
 
-def test_every_refused_field_has_a_reason_and_no_field_is_in_both_tables() -> None:
-    assert not set(HARMLESS) & set(REFUSED)
-    assert all(r.reason for r in REFUSED.values())
+@pytest.mark.parametrize(("harmless", "refused"), [(HARMLESS, REFUSED), (RESPONSES_HARMLESS, RESPONSES_REFUSED)],
+                         ids=["completions", "responses"])
+def test_every_refused_field_has_a_reason_and_no_field_is_in_both_tables(harmless: dict[str, str],
+                                                                         refused: dict[str, Refused]) -> None:
+    assert not set(harmless) & set(refused)
+    assert all(r.reason for r in refused.values())
 
 
 def test_the_api_doc_names_every_field_of_the_tables() -> None:
     doc = (Path(__file__).parents[2] / "docs" / "openai-api.md").read_text()
-    missing = [name for name in (*HARMLESS, *REFUSED) if f"`{name}`" not in doc]
+    names = (*HARMLESS, *REFUSED, *RESPONSES_HARMLESS, *RESPONSES_REFUSED)
+    missing = [name for name in names if f"`{name}`" not in doc]
     assert not missing, f"docs/openai-api.md does not name {missing}"

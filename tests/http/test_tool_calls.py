@@ -13,7 +13,6 @@ conftest, typed Any: conftest is not importable).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +26,6 @@ from disagg.workers.http.backend import ModelInfo
 from disagg.workers.http.prepare import prepare_chat
 from disagg.workers.http.protocol import ChatCompletionRequest
 from disagg.workers.http.tools import format_call
-from disagg.testing.tiny_model import build_tiny_model
-
-CONTEXT = 2048
 
 WEATHER_ARGS: dict[str, Any] = {
     "type": "object",
@@ -61,29 +57,8 @@ HISTORY: list[dict[str, Any]] = [
 
 
 @pytest.fixture(scope="module")
-def long_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model("llama", tmp_path_factory.mktemp("long-model"), context=CONTEXT)
-
-
-@pytest.fixture(scope="module")
-def served(long_model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
-           worker_launcher: Callable[..., Any]) -> Iterator[Any]:
-    log_path = tmp_path_factory.mktemp("tool-worker") / "worker.log"
-    with worker_launcher(str(long_model_dir), log_path, "--block-size", "16", "--num-kv-blocks", "1024",
-                         "--max-model-len", str(CONTEXT), "--max-num-seqs", "8") as worker:
-        yield worker
-
-
-@pytest.fixture
-def client(served: Any) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{served.base_url}/v1", api_key="unused", timeout=120.0, max_retries=0) as c:
-        yield c
-
-
-@pytest.fixture
-def http(served: Any) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=served.base_url, timeout=60.0) as c:
-        yield c
+def served(long_context_worker: Any) -> Any:
+    return long_context_worker
 
 
 def _chat(client: openai.OpenAI, model: str, **fields: Any) -> Any:

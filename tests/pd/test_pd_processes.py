@@ -142,6 +142,22 @@ def test_client_fields_through_pd_equal_the_mixed_role(cluster: Cluster, mode: s
         assert got["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"]
 
 
+@pytest.mark.parametrize("mode", ["PUSH", "PULL"])
+def test_a_response_through_pd_equals_the_mixed_roles(cluster: Cluster, mode: str) -> None:
+    """OpenAI's Responses API on a prefill: whole and streamed, the mixed worker's text."""
+    prefill = cluster.push if mode == "PUSH" else cluster.pull
+    body: dict[str, Any] = {"model": MODEL, "instructions": "Be brief.", "input": "Tell me a story.",
+                            "max_output_tokens": 12, "temperature": 0}
+    want = client_of(cluster.mixed).responses.create(**body)
+    got = client_of(prefill).responses.create(**body)
+    assert got.output_text == want.output_text and got.status == want.status
+    assert got.usage is not None and want.usage is not None
+    assert (got.usage.input_tokens, got.usage.output_tokens) == (want.usage.input_tokens, want.usage.output_tokens)
+    with client_of(prefill).responses.create(stream=True, **body) as events:
+        deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert "".join(deltas) == want.output_text
+
+
 def test_two_prefills_two_decodes_under_concurrent_load(cluster: Cluster) -> None:
     prompts = [prompt_of(n, salt=s) for s in (1, 2) for n in PROMPT_LENGTHS]
     received = [d.metric("disagg_kv_transfer_bytes_total", direction="received") for d in cluster.decodes]
@@ -163,6 +179,8 @@ def test_a_decode_refuses_chat_from_clients(cluster: Cluster) -> None:
     tokenize = {"model": MODEL, "prompt": "hi"}
     assert httpx.post(f"{cluster.d1.base_url}/tokenize", json=tokenize, timeout=10.0).status_code == 404
     assert httpx.post(f"{cluster.prefills[0].base_url}/tokenize", json=tokenize, timeout=10.0).json()["count"] > 0
+    response = {"model": MODEL, "input": "hi", "max_output_tokens": 2}
+    assert httpx.post(f"{cluster.d1.base_url}/v1/responses", json=response, timeout=10.0).status_code == 404
 
 
 # --- links and readiness ---------------------------------------------------------

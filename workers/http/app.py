@@ -13,16 +13,17 @@ AddNewRequests with 404) while its requests in flight finish; `DELETE /drain`
 undoes it; `GET /drain` reports. Each answers `{"draining": bool, "in_flight":
 int}`, where in_flight = disagg_requests_running + disagg_requests_waiting.
 
-A completion's body is read with a size bound, then parsed, validated and
-tokenised in a thread: the loop also serves gRPC and every stream, and a large
-body must not stall them. So are the bodies of vLLM's /tokenize and /detokenize.
+A completion's body (/v1/completions, /v1/chat/completions, /v1/responses) is
+read with a size bound, then parsed, validated and tokenised in a thread: the
+loop also serves gRPC and every stream, and a large body must not stall them.
+So are the bodies of vLLM's /tokenize and /detokenize.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -40,6 +41,8 @@ from disagg.workers.http.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
     StreamOptions, TokenizeRequest, TokenizeResponse, random_id,
 )
+from disagg.workers.http.responses import ResponseRun, chat_request, response_template
+from disagg.workers.http.responses_protocol import ResponsesRequest, new_id
 from disagg.workers.http.serving import Call, OpenAIServing
 from disagg.workers.http.tokenize import detokenize, tokenize
 from disagg.workers.metrics import CONTENT_TYPE, RequestOutcome, WorkerMetrics
@@ -103,7 +106,7 @@ def build_app(state: AppState, client_api: bool = True, api_key: str | None = No
     with a 404 that says where to go; with `api_key`, /v1 needs it as a bearer token."""
     app = FastAPI(title="disagg worker", docs_url=None, redoc_url=None)
     install_error_handlers(app)
-    tracing.instrument(app, ("/v1/completions", "/v1/chat/completions"))
+    tracing.instrument(app, ("/v1/completions", "/v1/chat/completions", "/v1/responses"))
     auth = [Depends(bearer_check(api_key))] if api_key else []
 
     @app.get("/health")
@@ -138,6 +141,7 @@ def build_app(state: AppState, client_api: bool = True, api_key: str | None = No
 
         @app.post("/v1/completions", dependencies=auth)
         @app.post("/v1/chat/completions", dependencies=auth)
+        @app.post("/v1/responses", dependencies=auth)
         @app.post("/tokenize", dependencies=auth)
         @app.post("/detokenize", dependencies=auth)
         async def no_completions() -> Response:
@@ -153,6 +157,10 @@ def build_app(state: AppState, client_api: bool = True, api_key: str | None = No
     async def chat_completions(request: Request) -> Response:
         return await _answer(state, ChatCompletionRequest, request)
 
+    @app.post("/v1/responses", dependencies=auth, openapi_extra=_json_body(ResponsesRequest))
+    async def responses(request: Request) -> Response:
+        return await _answer_responses(state, request)
+
     @app.post("/tokenize", dependencies=auth, openapi_extra=_json_body(TokenizeRequest))
     async def tokenize_route(request: Request) -> TokenizeResponse:
         backend = state.require_serving().backend
@@ -163,7 +171,8 @@ def build_app(state: AppState, client_api: bool = True, api_key: str | None = No
         backend = state.require_serving().backend
         return await asyncio.to_thread(detokenize, await read_body(request), backend.model, backend.tokenizer)
 
-    _document_bodies(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest])
+    _document_bodies(app, [CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest,
+                           DetokenizeRequest])
     return app
 
 
@@ -232,13 +241,7 @@ def _document_bodies(app: FastAPI, models: list[type[BaseModel]]) -> None:
 
 async def _answer(state: AppState, kind: type[CompletionRequest | ChatCompletionRequest], request: Request) -> Response:
     serving = state.require_serving()
-    state.admission.check_room()
-    raw = await read_body(request)
-    try:
-        body, prepared = await asyncio.to_thread(_parse_and_prepare, kind, raw, serving)
-    except (APIError, RequestValidationError):
-        state.metrics.count_request(RequestOutcome.REJECTED)
-        raise
+    body, prepared = await _parsed(state, request, lambda raw: _parse_and_prepare(kind, raw, serving))
     is_chat = isinstance(body, ChatCompletionRequest)
     stream_options = body.stream_options or StreamOptions()
     call = Call(
@@ -247,14 +250,47 @@ async def _answer(state: AppState, kind: type[CompletionRequest | ChatCompletion
         continuous_usage=stream_options.include_usage and stream_options.continuous_usage_stats,
         prompt_logprobs=body.prompt_logprobs,
     )
+    return await _run(state, request, call, body.stream, lambda wait: serving.stream(call, wait),
+                      lambda wait: serving.respond(call, wait))
+
+
+async def _answer_responses(state: AppState, request: Request) -> Response:
+    serving = state.require_serving()
+    model = serving.backend.model
+    body, prepared = await _parsed(state, request, lambda raw: _parse_and_prepare_responses(raw, serving))
+    response_id = new_id("resp")
+    run = ResponseRun(serving, Call("chat", response_id, model.name, prepared, return_token_ids=False,
+                                    include_usage=False), response_template(body, response_id, model.name))
+    return await _run(state, request, run.call, bool(body.stream), run.stream, run.respond)
+
+
+_Parsed = TypeVar("_Parsed")
+
+
+async def _parsed(state: AppState, request: Request, parse: Callable[[bytes], _Parsed]) -> _Parsed:
+    """The body, read with its size bound, then parsed and prepared by `parse` in a thread (JSON
+    parsing and tokenisation of a large body take long); a refusal is counted."""
+    state.admission.check_room()
+    raw = await read_body(request)
+    try:
+        return await asyncio.to_thread(parse, raw)
+    except (APIError, RequestValidationError):
+        state.metrics.count_request(RequestOutcome.REJECTED)
+        raise
+
+
+async def _run(state: AppState, request: Request, call: Call, stream: bool,
+               events: Callable[[Callable[[], Awaitable[None]]], AsyncGenerator[str, None]],
+               whole: Callable[[Callable[[], Awaitable[None]]], Awaitable[BaseModel]]) -> Response:
+    """A prepared call run under admission: streamed by `events`, or answered whole by `whole`."""
     wait_disconnect = _disconnect_waiter(request)
     # Each of n choices of each prompt is a sequence in the engine.
-    sequences = prepared.params.n * len(prepared.prompts)
+    sequences = call.prepared.params.n * len(call.prepared.prompts)
     state.admission.enter(sequences)
-    if body.stream:
-        return _AdmittedStream(serving.stream(call, wait_disconnect), lambda: state.admission.leave(sequences))
+    if stream:
+        return _AdmittedStream(events(wait_disconnect), lambda: state.admission.leave(sequences))
     try:
-        response = await serving.respond(call, wait_disconnect)
+        response = await whole(wait_disconnect)
     except ClientDisconnected:
         return Response(status_code=_CLIENT_CLOSED)
     finally:
@@ -265,12 +301,17 @@ async def _answer(state: AppState, kind: type[CompletionRequest | ChatCompletion
 def _parse_and_prepare(
     kind: type[CompletionRequest | ChatCompletionRequest], raw: bytes, serving: OpenAIServing
 ) -> tuple[CompletionRequest | ChatCompletionRequest, Prepared]:
-    """Runs in a thread: JSON parsing and tokenisation of a large body take long."""
     body = parse_body(kind, raw)
     backend = serving.backend
     if isinstance(body, ChatCompletionRequest):
         return body, prepare_chat(body, backend.model, backend.tokenizer)
     return body, prepare_completion(body, backend.model, backend.tokenizer)
+
+
+def _parse_and_prepare_responses(raw: bytes, serving: OpenAIServing) -> tuple[ResponsesRequest, Prepared]:
+    body = parse_body(ResponsesRequest, raw)
+    backend = serving.backend
+    return body, prepare_chat(chat_request(body), backend.model, backend.tokenizer)
 
 
 class _AdmittedStream(StreamingResponse):

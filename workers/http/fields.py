@@ -12,8 +12,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import BaseModel
+
 from disagg.workers.http.errors import BadRequest
-from disagg.workers.http.protocol import SamplingFields
 
 # Fields that change nothing about what is generated: bookkeeping, billing,
 # routing hints of OpenAI's platform, or options of features that are absent.
@@ -31,74 +32,76 @@ HARMLESS: dict[str, str] = {
 
 
 # Whether a field's value asks for nothing, given the request it came in.
-Noop = Callable[[Any, SamplingFields], bool]
+Noop = Callable[[Any, Any], bool]
 
 
-def _is(*values: Any) -> Noop:
+def noop_if(*values: Any) -> Noop:
     """A value equal to one of `values` (with the same JSON type) asks for nothing."""
     return lambda value, _req: any(type(value) is type(v) and value == v for v in (None, *values))
 
 
-def _best_of_noop(value: Any, req: SamplingFields) -> bool:
+def _best_of_noop(value: Any, req: Any) -> bool:  # a completion or chat request
     return value is None or (type(value) is int and value == req.n)
 
 
 @dataclass(frozen=True)
 class Refused:
     reason: str
-    noop: Noop = _is()
+    noop: Noop = noop_if()
 
 
 _LEGACY_FUNCTIONS = "the legacy functions API is not supported: use tools and tool_choice"
 
 REFUSED: dict[str, Refused] = {
     # OpenAI
-    "functions": Refused(_LEGACY_FUNCTIONS, _is([])),
-    "function_call": Refused(_LEGACY_FUNCTIONS, _is("none")),
+    "functions": Refused(_LEGACY_FUNCTIONS, noop_if([])),
+    "function_call": Refused(_LEGACY_FUNCTIONS, noop_if("none")),
     "best_of": Refused("best_of other than n is not supported", _best_of_noop),
-    "suffix": Refused("suffix (insertion) is not supported", _is("")),
+    "suffix": Refused("suffix (insertion) is not supported", noop_if("")),
     "audio": Refused("audio output is not supported"),
-    "modalities": Refused("only text output is supported", _is(["text"])),
+    "modalities": Refused("only text output is supported", noop_if(["text"])),
     "prediction": Refused("predicted outputs are not supported"),
     "web_search_options": Refused("web search is not supported"),
     "reasoning_effort": Refused("this model has no reasoning mode"),
     "verbosity": Refused("this model has no verbosity control"),
     # vLLM's extensions
-    "echo": Refused("echo is supported on /v1/completions only", _is(False)),
+    "echo": Refused("echo is supported on /v1/completions only", noop_if(False)),
     "structural_tag": Refused("structural tags are not supported"),
     "guided_decoding_backend": Refused("the structured-output backend is fixed (llguidance)"),
     "guided_whitespace_pattern": Refused("JSON output is compact; its whitespace cannot be chosen"),
-    "use_beam_search": Refused("beam search is not supported", _is(False)),
-    "length_penalty": Refused("length_penalty (beam search) is not supported", _is(1.0, 1)),
-    "include_stop_str_in_output": Refused("include_stop_str_in_output is not supported", _is(False)),
-    "spaces_between_special_tokens": Refused("spaces_between_special_tokens is not supported", _is(True)),
+    "use_beam_search": Refused("beam search is not supported", noop_if(False)),
+    "length_penalty": Refused("length_penalty (beam search) is not supported", noop_if(1.0, 1)),
+    "include_stop_str_in_output": Refused("include_stop_str_in_output is not supported", noop_if(False)),
+    "spaces_between_special_tokens": Refused("spaces_between_special_tokens is not supported", noop_if(True)),
     "truncate_prompt_tokens": Refused("truncate_prompt_tokens is not supported"),
     "allowed_token_ids": Refused("allowed_token_ids is not supported"),
-    "bad_words": Refused("bad_words is not supported", _is([])),
-    "continue_final_message": Refused("continue_final_message is not supported", _is(False)),
+    "bad_words": Refused("bad_words is not supported", noop_if([])),
+    "continue_final_message": Refused("continue_final_message is not supported", noop_if(False)),
     "add_special_tokens": Refused("add_special_tokens is not supported"),
     "chat_template": Refused("a request's own chat_template is not supported"),
-    "chat_template_kwargs": Refused("chat_template_kwargs is not supported", _is({})),
+    "chat_template_kwargs": Refused("chat_template_kwargs is not supported", noop_if({})),
     "documents": Refused("documents (RAG templates) are not supported"),
     "mm_processor_kwargs": Refused("multimodal input is not supported"),
     "logits_processors": Refused("logits_processors is not supported"),
-    "return_tokens_as_token_ids": Refused("return_tokens_as_token_ids is not supported", _is(False)),
-    "priority": Refused("request priority is not supported", _is(0)),
+    "return_tokens_as_token_ids": Refused("return_tokens_as_token_ids is not supported", noop_if(False)),
+    "priority": Refused("request priority is not supported", noop_if(0)),
     "kv_transfer_params": Refused("kv_transfer_params is vLLM's connector API, not this server's"),
     "vllm_xargs": Refused("vllm_xargs is not supported"),
     "cache_salt": Refused("cache_salt is not supported"),
     # SGLang's extensions (sglang-router forwards them with these off values)
-    "no_stop_trim": Refused("no_stop_trim is not supported: stop strings are trimmed", _is(False)),
-    "return_hidden_states": Refused("hidden states are not returned", _is(False)),
+    "no_stop_trim": Refused("no_stop_trim is not supported: stop strings are trimmed", noop_if(False)),
+    "return_hidden_states": Refused("hidden states are not returned", noop_if(False)),
 }
 
 
-def check_extra_fields(req: SamplingFields) -> None:
-    """Refuse (400, naming it) each undeclared field that asks for something not done."""
+def check_extra_fields(req: BaseModel, harmless: Mapping[str, str] = HARMLESS,
+                       refused_fields: Mapping[str, Refused] = REFUSED) -> None:
+    """Refuse (400, naming it) each undeclared field that asks for something not done;
+    the tables are the completion endpoints' unless an endpoint brings its own."""
     for name, value in (req.model_extra or {}).items():
-        if name in HARMLESS:
+        if name in harmless:
             continue
-        refused = REFUSED.get(name)
+        refused = refused_fields.get(name)
         if refused is None:
             raise BadRequest(f"unrecognized request argument supplied: {name}", name)
         if not refused.noop(value, req):

@@ -153,7 +153,7 @@ class OpenAIServing:
     def tokenizer(self) -> Tokenizer:
         return self.backend.tokenizer
 
-    async def _outputs(
+    async def outputs(
         self, call: Call, choices: list[Choice], wait_disconnect: Callable[[], Awaitable[None]] | None
     ) -> AsyncGenerator[tuple[Choice, RequestOutput], None]:
         """The merged deltas of every choice, with metrics recorded at the end."""
@@ -193,7 +193,7 @@ class OpenAIServing:
 
     async def respond(self, call: Call, wait_disconnect: Callable[[], Awaitable[None]] | None) -> BaseModel:
         choices = call.new_choices()
-        async with aclosing(self._outputs(call, choices, wait_disconnect)) as outputs:
+        async with aclosing(self.outputs(call, choices, wait_disconnect)) as outputs:
             async for _ in outputs:
                 pass
         usage = call.usage(choices)
@@ -243,7 +243,7 @@ class OpenAIServing:
                 for c in choices:
                     role = self._chat_chunk(call, c, ChatDelta(role="assistant", content=content))
                     yield _sse(self._with_usage(call, c, role))
-            async with aclosing(self._outputs(call, choices, wait_disconnect)) as outputs:
+            async with aclosing(self.outputs(call, choices, wait_disconnect)) as outputs:
                 async for choice, out in outputs:
                     if not (out.new_text or out.new_token_ids or out.finished):
                         continue
