@@ -47,7 +47,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -186,13 +186,14 @@ def requests_at(args: argparse.Namespace, concurrency: int) -> int:
     return max(2, concurrency) if args.quick else max(8, 4 * concurrency)
 
 
-def bench_serve(args: argparse.Namespace, url: str, concurrency: int, out: Path) -> Result:
+def bench_serve(args: argparse.Namespace, url: str, concurrency: int, out: Path, seed: int | None = None) -> Result:
+    """`seed`: of the random prompts (default --seed)."""
     requests = requests_at(args, concurrency)
     run([args.vllm_venv / "bin" / "vllm", "bench", "serve", "--backend", "openai", "--base-url", url,
          "--endpoint", "/v1/completions", "--model", SERVED, "--tokenizer", args.model_dir,
          "--dataset-name", "random", "--random-input-len", args.input_tokens,
          "--random-output-len", args.output_tokens, "--random-range-ratio", 0, "--ignore-eos", "--temperature", 0,
-         "--max-concurrency", concurrency, "--num-prompts", requests, "--num-warmups", 1, "--seed", args.seed,
+         "--max-concurrency", concurrency, "--num-prompts", requests, "--num-warmups", 1, "--seed", args.seed if seed is None else seed,
          "--disable-tqdm", "--ready-check-timeout-sec", 0,
          "--save-result", "--result-dir", out, "--result-filename", "result.json"],
         out / "bench.log", args.run_timeout)
@@ -204,7 +205,8 @@ def measure(args: argparse.Namespace, server: Server, out: Path) -> dict[int, Re
         results = {}
         for c in args.concurrency:
             print(f"  {server.name}: concurrency {c}, {requests_at(args, c)} requests", flush=True)
-            results[c] = bench_serve(args, url, c, out / f"c{c}")
+            # prompts of their own at each concurrency: none found in the prefix cache from the last
+            results[c] = bench_serve(args, url, c, out / f"c{c}", seed=args.seed + 1000 * c)
         return results
 
 
@@ -239,7 +241,40 @@ def ratios(results: dict[str, dict[int, Result]], servers: list[Server], levels:
     return "\n".join([head, "|---|" + "---:|" * 4 * len(levels), *rows])
 
 
+def median_result(results: list[Result]) -> Result:
+    return Result(statistics.median(r.output_tok_s for r in results), statistics.median(r.ttft_ms for r in results),
+                  statistics.median(r.tpot_ms for r in results), statistics.median(r.e2e_ms for r in results),
+                  sum(r.failed for r in results))
+
+
+def bench_in_turn(args: argparse.Namespace, servers: list[Server], out: Path) -> None:
+    """Every server up at once, idle but for the turn in flight; at each concurrency the servers
+    take `--in-turn` turns in ABBA order, so each pair of figures shares the machine's moment.
+    Each turn's prompts are new (its own seed), so no server finds them in its prefix cache."""
+    with ExitStack() as stack:
+        urls = {s.name: stack.enter_context(s.start(out / s.name.replace(" ", "-"))) for s in servers}
+        results: dict[str, dict[int, Result]] = {s.name: {} for s in servers}
+        for c in args.concurrency:
+            turns: dict[str, list[Result]] = {s.name: [] for s in servers}
+            for t in range(args.in_turn):
+                for s in servers if t % 2 == 0 else servers[::-1]:
+                    turn = bench_serve(args, urls[s.name], c, out / f"c{c}" / f"turn{t + 1}" / s.name.replace(" ", "-"),
+                                       seed=args.seed + 1000 * c + t)
+                    turns[s.name].append(turn)
+                    print(f"  c={c} turn {t + 1} {s.name}: {turn.tok_s} tok/s, TTFT {turn.ttft_ms:.0f} ms, "
+                          f"TPOT {turn.tpot_ms:.1f} ms (load average {os.getloadavg()[0]:.2f})", flush=True)
+            for name, each in turns.items():
+                results[name][c] = median_result(each)
+    print(f"\nmedians over {args.in_turn} turns per concurrency")
+    print(table(results, args.concurrency))
+    print()
+    print(ratios(results, servers, args.concurrency))
+
+
 def bench(args: argparse.Namespace, servers: list[Server], out: Path) -> None:
+    if args.in_turn:
+        bench_in_turn(args, servers, out)
+        return
     for r in range(args.rounds):
         order = servers if r % 2 == 0 else servers[::-1]
         load = os.getloadavg()
@@ -263,6 +298,9 @@ def main() -> int:
     p.add_argument("--concurrency", type=concurrencies, default=[1, 8, 32], help="comma-separated (default 1,8,32)")
     p.add_argument("--rounds", type=int, default=2, help="rounds, each in the order opposite to the last")
     p.add_argument("--quick", action="store_true", help="one wave of requests per concurrency instead of four")
+    p.add_argument("--in-turn", type=int, default=0, metavar="TURNS",
+                   help="run the servers at once and alternate TURNS turns at each concurrency (ABBA) "
+                        "instead of rounds of one server at a time")
     p.add_argument("--threads", type=int, default=None, help="compute threads of each server (default: usable CPUs)")
     p.add_argument("--vllm-kv-gib", type=int, default=2, help="vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE)")
     p.add_argument("--input-tokens", type=int, default=256)
