@@ -10,6 +10,7 @@ to decodes D1 and D2, and a mixed worker M as the reference.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import signal
 import subprocess
@@ -312,22 +313,51 @@ def _ends_with_an_error(stream: Stream, *words: str) -> None:
     assert any(w in message for w in words), message
 
 
-def test_unlink_during_a_request_fails_it_and_frees_its_blocks(cluster: Cluster, processes: Any,
-                                                              long_stream: Any) -> None:
+@contextlib.contextmanager
+def _linked_to_d1_alone(cluster: Cluster, processes: Any) -> Iterator[WorkerProcess]:
+    """The push prefill, linked to d1 alone, for a test that unlinks d1 during a request: on the
+    way out both workers' free blocks are back to their count at the start, and every link is restored."""
     prefill = cluster.push
     assert not unlink(cluster.d2, prefill)  # the request goes to d1
     start = {w.instance_name: free_blocks(w) for w in (prefill, cluster.d1)}
     try:
-        stream = long_stream(prefill)
-        assert not unlink(cluster.d1, prefill)
-        _ends_with_an_error(stream, "went away", "unlinked", "aborted")
+        yield prefill
         for w in (prefill, cluster.d1):
             processes.wait_until(lambda: free_blocks(w) == start[w.instance_name], f"{w.role}'s blocks are free")
     finally:
         for d in cluster.decodes:
             assert link(d, prefill) is None
     processes.wait_until(lambda: _ready(prefill) == 200, "the prefill is linked again")
+
+
+def test_unlink_during_a_request_fails_it_and_frees_its_blocks(cluster: Cluster, processes: Any,
+                                                              long_stream: Any) -> None:
+    with _linked_to_d1_alone(cluster, processes) as prefill:
+        stream = long_stream(prefill)
+        assert not unlink(cluster.d1, prefill)
+        _ends_with_an_error(stream, "went away", "unlinked", "aborted")
     assert complete(prefill, prompt_of(6)) == complete(cluster.mixed, prompt_of(6)), "survivors serve"
+
+
+def test_a_response_stream_its_decode_unlinks_ends_with_response_failed(cluster: Cluster, processes: Any) -> None:
+    """/v1/responses reports a failure after its stream began in band, as OpenAI does: a
+    response.failed event whose response carries the error; the blocks come back."""
+    body = {"model": MODEL, "input": "Tell me a long story.", "max_output_tokens": LONG, "temperature": 0,
+            "stream": True}
+    whole = client_of(cluster.mixed).responses.create(**{**body, "stream": False})
+    assert whole.status == "incomplete", "the greedy text must outlast the unlink below"
+    events: list[dict[str, Any]] = []
+    with _linked_to_d1_alone(cluster, processes) as prefill, \
+            httpx.stream("POST", f"{prefill.base_url}/v1/responses", json=body, timeout=FAULT_BOUND_S) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line.removeprefix("data: ")))
+                if len(events) == 8:  # streaming text by now
+                    assert not unlink(cluster.d1, prefill)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    last = events[-1]
+    assert last["type"] == "response.failed" and last["response"]["status"] == "failed", last
+    assert any(w in last["response"]["error"]["message"] for w in ("went away", "unlinked", "aborted")), last
 
 
 def _drain(decodes: list[WorkerProcess], on: bool) -> None:

@@ -32,7 +32,7 @@ from disagg.workers.http.fields import Refused, check_extra_fields, noop_if
 from disagg.workers.http.protocol import ChatCompletionRequest, ToolCallDelta
 from disagg.workers.http.tool_parser import ToolCallParser
 from disagg.workers.http.responses_protocol import (
-    FunctionCallInput, FunctionCallOutput, FunctionCallOutputInput, FunctionTool, IncompleteDetails,
+    FunctionCallInput, FunctionCallItem, FunctionCallOutputInput, FunctionTool, IncompleteDetails,
     InputTokensDetails, MessageInput, OutputItem, OutputMessage, OutputText, ResponseError, ResponseObject,
     ResponsesRequest, ResponseUsage, new_id,
 )
@@ -239,7 +239,7 @@ class OutputBuilder:
         assert delta.id is not None and delta.function is not None and delta.function.name is not None
         arguments = delta.function.arguments or ""
         events = self.finish("completed")
-        item = FunctionCallOutput(id=new_id("fc"), call_id=delta.id, name=delta.function.name, arguments="",
+        item = FunctionCallItem(id=new_id("fc"), call_id=delta.id, name=delta.function.name, arguments="",
                                   status="in_progress")
         self.items.append(item)
         events.append(self._item_event("response.output_item.added", item))

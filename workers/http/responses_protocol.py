@@ -124,7 +124,7 @@ class OutputMessage(BaseModel):
     content: list[OutputText] = Field(default_factory=list)
 
 
-class FunctionCallOutput(BaseModel):
+class FunctionCallItem(BaseModel):
     """A call the model makes: the client runs it and sends a function_call_output back."""
 
     type: Literal["function_call"] = "function_call"
@@ -135,7 +135,7 @@ class FunctionCallOutput(BaseModel):
     status: ItemStatus
 
 
-OutputItem = OutputMessage | FunctionCallOutput
+OutputItem = OutputMessage | FunctionCallItem
 
 
 class InputTokensDetails(BaseModel):
