@@ -41,8 +41,8 @@ from disagg.workers.http.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
     StreamOptions, TokenizeRequest, TokenizeResponse, random_id,
 )
-from disagg.workers.http.responses import ResponseRun, chat_request, response_template
-from disagg.workers.http.responses_protocol import ResponsesRequest, new_id
+from disagg.workers.http.responses import ResponseRun, translate
+from disagg.workers.http.responses_protocol import ResponseObject, ResponsesRequest, new_id
 from disagg.workers.http.serving import Call, OpenAIServing
 from disagg.workers.http.tokenize import detokenize, tokenize
 from disagg.workers.metrics import CONTENT_TYPE, RequestOutcome, WorkerMetrics
@@ -257,10 +257,11 @@ async def _answer(state: AppState, kind: type[CompletionRequest | ChatCompletion
 async def _answer_responses(state: AppState, request: Request) -> Response:
     serving = state.require_serving()
     model = serving.backend.model
-    body, prepared = await _parsed(state, request, lambda raw: _parse_and_prepare_responses(raw, serving))
     response_id = new_id("resp")
+    body, prepared, template = await _parsed(
+        state, request, lambda raw: _parse_and_prepare_responses(raw, serving, response_id))
     run = ResponseRun(serving, Call("chat", response_id, model.name, prepared, return_token_ids=False,
-                                    include_usage=False), response_template(body, response_id, model.name))
+                                    include_usage=False), template)
     return await _run(state, request, run.call, bool(body.stream), run.stream, run.respond)
 
 
@@ -308,10 +309,12 @@ def _parse_and_prepare(
     return body, prepare_completion(body, backend.model, backend.tokenizer)
 
 
-def _parse_and_prepare_responses(raw: bytes, serving: OpenAIServing) -> tuple[ResponsesRequest, Prepared]:
+def _parse_and_prepare_responses(raw: bytes, serving: OpenAIServing, response_id: str
+                                 ) -> tuple[ResponsesRequest, Prepared, ResponseObject]:
     body = parse_body(ResponsesRequest, raw)
     backend = serving.backend
-    return body, prepare_chat(chat_request(body), backend.model, backend.tokenizer)
+    chat, template = translate(body, response_id, backend.model.name)
+    return body, prepare_chat(chat, backend.model, backend.tokenizer), template
 
 
 class _AdmittedStream(StreamingResponse):

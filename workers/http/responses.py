@@ -77,8 +77,14 @@ REFUSED: dict[str, Refused] = {
 # --- the request, as a chat request -------------------------------------------
 
 
-def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat request that computes the response (400s name the Responses field)."""
+def translate(req: ResponsesRequest, response_id: str, model_name: str) -> tuple[ChatCompletionRequest, ResponseObject]:
+    """The chat request that computes the response (400s name the Responses field), and the
+    response as created."""
+    tools = function_tools(req.tools or [])
+    return chat_request(req, tools), response_template(req, tools, response_id, model_name)
+
+
+def chat_request(req: ResponsesRequest, tools: list[FunctionTool]) -> ChatCompletionRequest:
     check_extra_fields(req, HARMLESS, REFUSED)
     if req.text is not None and req.text.verbosity is not None:
         raise BadRequest("text.verbosity: this model has no verbosity control", "text")
@@ -89,9 +95,9 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
         "max_completion_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
         "user": req.user, "response_format": _response_format(req),
     }
-    if req.tools:
+    if tools:
         body["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
-                         for t in function_tools(req.tools)]
+                         for t in tools]
     if req.tool_choice is not None:
         body["tool_choice"] = _tool_choice(req.tool_choice)
     return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
@@ -107,10 +113,10 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     for i, item in enumerate(items):
         kind = item.get("type", "message")
         if kind == "message":
-            message = _item(MessageInput, item, i)
+            message = _parsed(MessageInput, item, f"input[{i}]", "input")
             messages.append({"role": message.role, "content": _text(message.content, f"input[{i}].content")})
         elif kind == "function_call":
-            call = _item(FunctionCallInput, item, i)
+            call = _parsed(FunctionCallInput, item, f"input[{i}]", "input")
             tool_call = {"id": call.call_id, "type": "function",
                          "function": {"name": call.name, "arguments": call.arguments}}
             last = messages[-1] if messages else None
@@ -119,7 +125,7 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [tool_call]})
         elif kind == "function_call_output":
-            result = _item(FunctionCallOutputInput, item, i)
+            result = _parsed(FunctionCallOutputInput, item, f"input[{i}]", "input")
             messages.append({"role": "tool", "tool_call_id": result.call_id,
                              "content": _text(result.output, f"input[{i}].output")})
         elif kind == "reasoning":
@@ -182,10 +188,6 @@ def _text(content: str | list[dict[str, Any]], where: str) -> str:
     return "".join(texts)
 
 
-def _item(kind: type[_Item], item: dict[str, Any], index: int) -> _Item:
-    return _parsed(kind, item, f"input[{index}]", "input")
-
-
 def _parsed(kind: type[_Item], value: dict[str, Any], where: str, param: str) -> _Item:
     try:
         return kind.model_validate(value)
@@ -195,13 +197,14 @@ def _parsed(kind: type[_Item], value: dict[str, Any], where: str, param: str) ->
         raise BadRequest(f"{where}{location}: {error['msg']}", param) from None
 
 
-def response_template(req: ResponsesRequest, response_id: str, model_name: str) -> ResponseObject:
+def response_template(req: ResponsesRequest, tools: list[FunctionTool], response_id: str,
+                      model_name: str) -> ResponseObject:
     """The response as created: the request's settings, no output yet."""
     return ResponseObject(
         id=response_id, model=model_name, instructions=req.instructions, max_output_tokens=req.max_output_tokens,
         parallel_tool_calls=req.parallel_tool_calls is not False, temperature=req.temperature, top_p=req.top_p,
         tool_choice=req.tool_choice if req.tool_choice is not None else "auto",
-        tools=[t.model_dump(exclude_none=True) for t in function_tools(req.tools or [])],
+        tools=[t.model_dump(exclude_none=True) for t in tools],
         text={"format": req.text.format} if req.text is not None and req.text.format is not None else
         {"format": {"type": "text"}},
         metadata=req.metadata or {}, user=req.user,
@@ -292,8 +295,9 @@ class ResponseRun:
     async def events(self, wait_disconnect: Callable[[], Awaitable[None]] | None) -> AsyncGenerator[Event, None]:
         """Every event of the response, the last response.completed or response.incomplete;
         raises what the request raises (an APIError for a failure the client should see)."""
-        yield {"type": "response.created", "response": self.template.model_dump()}
-        yield {"type": "response.in_progress", "response": self.template.model_dump()}
+        created = self.template.model_dump()
+        yield {"type": "response.created", "response": created}
+        yield {"type": "response.in_progress", "response": created}
         call = self.call
         builder = OutputBuilder()
         parser = ToolCallParser(call.prepared.tools) if call.prepared.tools is not None else None

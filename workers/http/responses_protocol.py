@@ -55,42 +55,39 @@ class ResponsesRequest(BaseModel):
     user: str | None = None
 
 
-class MessageInput(BaseModel):
-    """A message item of `input` (its `type` "message" may be left out)."""
+class _InputItem(BaseModel):
+    """What every item of `input` may carry: an item replayed from an earlier response has its id and status."""
 
     model_config = _REQUEST
+
+    id: str | None = None
+    status: str | None = None
+
+
+class MessageInput(_InputItem):
+    """A message item of `input` (its `type` "message" may be left out)."""
 
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[dict[str, Any]]  # text, or parts: input_text, output_text, refusal
-    id: str | None = None  # a replayed output message's fields
-    status: str | None = None
     phase: str | None = None
 
 
-class FunctionCallInput(BaseModel):
+class FunctionCallInput(_InputItem):
     """A call the model made earlier, replayed."""
-
-    model_config = _REQUEST
 
     type: Literal["function_call"]
     call_id: str
     name: str
     arguments: str  # a JSON object, as text
-    id: str | None = None
-    status: str | None = None
 
 
-class FunctionCallOutputInput(BaseModel):
+class FunctionCallOutputInput(_InputItem):
     """A call's result, as the client's function returned it."""
-
-    model_config = _REQUEST
 
     type: Literal["function_call_output"]
     call_id: str
     output: str | list[dict[str, Any]]  # text, or input_text parts
-    id: str | None = None
-    status: str | None = None
 
 
 class FunctionTool(BaseModel):
