@@ -49,6 +49,7 @@ KINDS = {
     "projections: panels (C kernels)": {panels.PROFILE_LABEL},
     "projections: grid codes (C kernel)": {grids.PROFILE_LABEL},
     "attention: paged C kernel": {cpu_attention.PROFILE_LABEL},
+    "attention: prompts' C kernel": {cpu_attention.PREFILL_PROFILE_LABEL},
     "RMSNorm (C kernel)": {cpu_norm.PROFILE_LABEL},
     "SiLU x up, RoPE (C kernels)": {cpu_fused.PROFILE_LABEL},
     "attention: gather + SDPA (prefills; decodes without the kernel)": {

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from disagg.workers.engine import cpu_kernels
-from disagg.workers.engine.models import panels
+from disagg.workers.engine.models import packing, panels
 from disagg.workers.engine.models.packing import PackedLinear, packing_available
 
 pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler to build the CPU kernels")
@@ -143,7 +143,8 @@ def test_the_switch_chooses_and_rejects_what_it_does_not_know(choice: pytest.Mon
     choice.setenv(panels.SWITCH_ENV, "onednn")
     assert not panels.preferred() and not panels.preferred(torch.bfloat16)
     assert not PackedLinear(torch.randn(16, 8), None).in_panels
-    assert PackedLinear(torch.randn(16, 32).bfloat16(), None).onednn_panels is None
+    if packing._onednn_works(torch.bfloat16):  # where oneDNN packs bf16 at all
+        assert PackedLinear(torch.randn(16, 32).bfloat16(), None).onednn_panels is None
     panels.preferred.cache_clear()
     choice.setenv(panels.SWITCH_ENV, "panels")
     assert panels.preferred()

@@ -167,6 +167,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cac
         else:
             assert seg.v_rows is not None
             keys, values = rows.index_select(0, seg.k_rows), rows.index_select(0, seg.v_rows)
+        if cpu_attention.supports_prefill(q, keys):
+            cpu_attention.prefill_attention(q[seg.start:seg.end], keys, values, out[seg.start:seg.end], scale)
+            continue
         # [1, heads, q_len, hd] against [1, kvh, ctx, hd]
         o = F.scaled_dot_product_attention(
             q[seg.start:seg.end].transpose(0, 1)[None], keys.transpose(0, 1)[None],

@@ -1,11 +1,22 @@
-"""Paged decode attention on the CPU: csrc/paged_decode.c (see cpu_kernels).
+"""Attention kernels for the CPU (see cpu_kernels): paged decode attention
+(csrc/paged_decode.c) and, in float32 where the CPU has AVX2 and FMA, a
+prompt's causal attention (csrc/prefill_attention.c).
 
 The plain path (attention._decode) copies every decode sequence's context into
 a padded tensor per layer and step, then runs SDPA over the copy: at 32
 sequences of 384 tokens that is three passes over the cache. The kernel reads
 each K and V row once, in place through the block tables, for all the query
 heads that share it, with an online softmax (the CPU twin of
-triton_attention). DISAGG_CPU_ATTENTION=gather keeps the plain path.
+triton_attention).
+
+A float32 prompt's attention ran in PyTorch's SDPA at about 40 GFLOP/s on two
+AVX2 cores, an eighth of a prefill step; the prefill kernel computes the
+scores, their softmax and P V of a few query rows at a time in registers and a
+thread's own buffers (a flash attention), as vLLM's CPU backend has its own:
+about 80 GFLOP/s there.
+
+DISAGG_CPU_ATTENTION=gather keeps the plain paths: the padded gather for
+decode rows, SDPA for prompts.
 """
 
 from __future__ import annotations
@@ -18,15 +29,22 @@ import torch
 
 from disagg.workers.engine import cpu_kernels
 
-SWITCH_ENV = "DISAGG_CPU_ATTENTION"  # "gather": never use the kernel
+SWITCH_ENV = "DISAGG_CPU_ATTENTION"  # "gather": never use the kernels
 PROFILE_LABEL = "disagg::paged_decode_cpu"
+PREFILL_PROFILE_LABEL = "disagg::prefill_attention_cpu"
 # The kernel's stack buffers (csrc/paged_decode.c); other shapes take the gather path.
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 32, 256, 256
+PREFILL_HEAD_DIM_STEP = 16  # the prefill kernel's head_dim: a multiple of two 8-lane vectors, up to MAX_HEAD_DIM
 
 INT32_P = ctypes.POINTER(ctypes.c_int32)
 # paged_decode_{f32,bf16}'s C signature (benchmarks/bench_attention.py calls other builds of it too).
 ARGTYPES: list[type] = [ctypes.c_void_p, ctypes.c_void_p, INT32_P, INT32_P, ctypes.c_void_p,
                          *[ctypes.c_int] * 6, ctypes.c_float, ctypes.c_int]
+
+# prefill_attention_f32's C signature: q, k, v, out, q_len, kv_len, heads, kv_heads, head_dim,
+# the three row strides (elements), scale, threads.
+PREFILL_ARGTYPES: list[type] = [*[ctypes.c_void_p] * 4, *[ctypes.c_int] * 5, *[ctypes.c_long] * 3, ctypes.c_float,
+                                 ctypes.c_int]
 
 
 @functools.cache
@@ -74,3 +92,45 @@ def paged_decode_attention(q: torch.Tensor, layer_cache: torch.Tensor, block_tab
         raise ValueError(f"paged decode kernel refused its arguments (code {status}): heads {heads}, "
                          f"kv heads {kv_heads}, head dim {head_dim}, block size {block_size}")
     return out.to(q.dtype)
+
+
+@functools.cache
+def _prefill_kernels() -> dict[torch.dtype, cpu_kernels.Kernel]:
+    if os.environ.get(SWITCH_ENV) == "gather":
+        return {}
+    found = {torch.float32: cpu_kernels.available_function("prefill_attention_f32", PREFILL_ARGTYPES)}
+    return {dtype: kernel for dtype, kernel in found.items() if kernel is not None}
+
+
+def supports_prefill(q: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Whether prefill_attention serves these queries ([q_len, heads, hd]) over these keys ([ctx, kvh, hd])."""
+    head_dim, kv_heads = q.shape[-1], keys.shape[-2]
+    shapes_fit = head_dim % PREFILL_HEAD_DIM_STEP == 0 and head_dim <= MAX_HEAD_DIM and q.shape[-2] % kv_heads == 0
+    return q.device.type == "cpu" and q.dtype == keys.dtype and q.dtype in _prefill_kernels() and shapes_fit
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    # the kernel takes tokens any stride apart, each token's heads packed
+    head_dim = x.shape[-1]
+    return x if x.stride(-1) == 1 and x.stride(-2) == head_dim else x.contiguous()
+
+
+def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, out: torch.Tensor,
+                      scale: float) -> None:
+    """Causal attention of one prompt's new tokens into `out` (supports_prefill first).
+
+    q, out: [q_len, heads, hd]; keys, values: [ctx, kvh, hd] with ctx >= q_len, the
+    queries being the last q_len positions (a cached prefix before them)."""
+    kernel = _prefill_kernels().get(q.dtype)
+    assert kernel is not None, "prefill_attention needs supports_prefill() first"
+    assert out.stride(-1) == 1 and out.stride(-2) == out.shape[-1], "the kernel writes each token's heads packed"
+    q, keys, values = _rows(q), _rows(keys), _rows(values)
+    if keys.stride(0) != values.stride(0):  # the kernel takes one stride for both
+        keys, values = keys.contiguous(), values.contiguous()
+    (q_len, heads, head_dim), (ctx, kv_heads, _) = q.shape, keys.shape
+    with cpu_kernels.profiled(PREFILL_PROFILE_LABEL):
+        status = kernel(q.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(), q_len, ctx, heads, kv_heads,
+                        head_dim, q.stride(0), keys.stride(0), out.stride(0), scale, torch.get_num_threads())
+    if status != 0:
+        raise ValueError(f"prefill attention kernel refused its arguments (code {status}): {q_len} queries over "
+                         f"{ctx} keys, heads {heads}, kv heads {kv_heads}, head dim {head_dim}, scale {scale}")

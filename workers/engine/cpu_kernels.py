@@ -99,6 +99,14 @@ def function(name: str, argtypes: list[type], restype: type | None = ctypes.c_in
     return kernel  # type: ignore[no-any-return]
 
 
+def available_function(name: str, argtypes: list[type], restype: type | None = ctypes.c_int) -> Kernel | None:
+    """A kernel that also says whether it can run in this process (`{name}_available()`, 1 when
+    it can: AMX kernels need a build with AMX and Linux's leave to use the tiles), or None."""
+    kernel = function(name, argtypes, restype)
+    available = function(f"{name}_available", [])
+    return kernel if kernel is not None and available is not None and available() == 1 else None
+
+
 def profiled(label: str) -> contextlib.AbstractContextManager[object]:
     """A profiler range named `label` around a kernel call while a profiler records
     (benchmarks/profile_step.py names the kernels by it), else nothing: entering a

@@ -54,12 +54,9 @@ _ARGTYPES: list[type] = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctyp
 @functools.cache
 def _kernel(dtype: torch.dtype) -> cpu_kernels.Kernel | None:
     """The kernel for `dtype`, or None where it cannot run here (bf16 needs AMX and Linux's leave to use it)."""
-    name = f"panel_linear_{cpu_kernels.DTYPE_SUFFIXES[dtype]}"
-    kernel = cpu_kernels.function(name, _ARGTYPES, restype=None if dtype == torch.float32 else ctypes.c_int)
-    if kernel is None or dtype == torch.float32:
-        return kernel
-    available = cpu_kernels.function(f"{name}_available", [])
-    return kernel if available is not None and available() == 1 else None
+    if dtype == torch.float32:
+        return cpu_kernels.function("panel_linear_f32", _ARGTYPES, restype=None)
+    return cpu_kernels.available_function(f"panel_linear_{cpu_kernels.DTYPE_SUFFIXES[dtype]}", _ARGTYPES)
 
 
 def cpu_suits_panels(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
