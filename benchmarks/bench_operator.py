@@ -49,7 +49,7 @@ from disagg.operator.metrics import OperatorMetrics
 from disagg.operator.reconcile import PodView, plan_links, pod_view
 from disagg.operator.settings import OperatorSettings
 from disagg.operator.spec import ROLES
-from disagg.testing.cluster import LocalCluster, create_namespace, wait_until
+from disagg.testing.cluster import LocalCluster, create_namespace
 from disagg.testing.kubectl import install_crd
 from disagg.testing.tiny_model import build_tiny_model
 from disagg.proto import common_pb2, disagg_pd_pb2, disagg_pd_pb2_grpc

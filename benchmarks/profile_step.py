@@ -12,7 +12,7 @@ Run it with and without the C kernels to compare them on the same machine:
 
     .venv/bin/python benchmarks/profile_step.py                           # the C kernels where they build
     DISAGG_CPU_KERNELS=off .venv/bin/python benchmarks/profile_step.py    # PyTorch ops only (before)
-    DISAGG_CPU_ATTENTION=gather .venv/bin/python benchmarks/profile_step.py   # 4-bit projections only
+    DISAGG_CPU_ATTENTION=gather .venv/bin/python benchmarks/profile_step.py   # attention by PyTorch (gather, SDPA)
     DISAGG_CPU_LINEAR=onednn .venv/bin/python benchmarks/profile_step.py   # float32 projections by oneDNN
 
 "Python and framework" is a difference of two timings, noisy where a row has

@@ -471,7 +471,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{curves.max_num_seqs}\ntargets: p90 TTFT {setup.ttft_target_s * 1000:.0f} ms, TPOT "
           f"{setup.tpot_target_s * 1000:.1f} ms ({setup.sequences_per_pod} sequences per decode pod); "
           f"peak {peak:.1f} req/s; pod start-up {args.startup_s:.0f} s; control every {args.control_s:.0f} s\n")
-    print(f"| workload | policy | SLO attainment | goodput/pod (req/s) | avg pods | peak pods | scale actions |")
+    print("| workload | policy | SLO attainment | goodput/pod (req/s) | avg pods | peak pods | scale actions |")
     print("|---|---|---|---|---|---|---|")
     for name, shape in workloads(peak).items():
         requests = trace(shape, args.seed)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from disagg.workers.engine import cpu_kernels
 from disagg.workers.engine.models import packing, panels
-from disagg.workers.engine.models.packing import PackedLinear, packing_available
+from disagg.workers.engine.models.packing import PackedLinear
 
 pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler to build the CPU kernels")
 needs_amx = pytest.mark.skipif(not panels.preferred(torch.bfloat16), reason="bf16 panels need AMX (and Linux's leave)")

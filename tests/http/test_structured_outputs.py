@@ -14,7 +14,6 @@ from typing import Any
 import httpx
 import jsonschema
 import openai
-import pytest
 
 SCHEMA: dict[str, Any] = {
     "type": "object",

@@ -12,7 +12,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from disagg.operator.autoscaler import HOLD_MISSING
-from disagg.operator.pod_metrics import MetricsFormatError, MetricsWindow, PodSample, parse_sample, quantile, scrape
+from disagg.operator.pod_metrics import MetricsFormatError, MetricsWindow, PodSample, parse_sample, quantile
 from disagg.operator.reconcile import PodView
 from disagg.operator.scaler import Scaler
 from disagg.operator.scaling import parse_scaling
