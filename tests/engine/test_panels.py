@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from disagg.workers.engine import cpu_kernels
-from disagg.workers.engine.models import packing, panels
-from disagg.workers.engine.models.packing import PackedLinear
+from disagg.workers.engine.models import panels
+from disagg.workers.engine.models.packing import PackedLinear, packing_available
 
 pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler to build the CPU kernels")
 needs_amx = pytest.mark.skipif(not panels.preferred(torch.bfloat16), reason="bf16 panels need AMX (and Linux's leave)")
@@ -143,7 +143,7 @@ def test_the_switch_chooses_and_rejects_what_it_does_not_know(choice: pytest.Mon
     choice.setenv(panels.SWITCH_ENV, "onednn")
     assert not panels.preferred() and not panels.preferred(torch.bfloat16)
     assert not PackedLinear(torch.randn(16, 8), None).in_panels
-    if packing._onednn_works(torch.bfloat16):  # where oneDNN packs bf16 at all
+    if packing_available(torch.device("cpu"), torch.bfloat16):  # where oneDNN packs bf16 at all (not on AVX2 CPUs)
         assert PackedLinear(torch.randn(16, 32).bfloat16(), None).onednn_panels is None
     panels.preferred.cache_clear()
     choice.setenv(panels.SWITCH_ENV, "panels")

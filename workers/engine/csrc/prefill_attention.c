@@ -4,8 +4,8 @@
  * PyTorch's SDPA ran a float32 prefill's attention of the embedded default
  * (9 heads, 3 KV heads, head_dim 64, 256 tokens) at about 40 GFLOP/s on two
  * AVX2 cores (1.9 ms a layer), where its projections run at 100-160; that was
- * an eighth of a prefill step. This kernel: 0.95 ms, about 80 GFLOP/s (the
- * causal half's flops). Here each task is ROWS query rows of one head against its KV
+ * an eighth of a prefill step. This kernel: 0.85-0.95 ms, 80-90 GFLOP/s (the
+ * causal half's flops; benchmarks/bench_prefill_attention.py). Here each task is ROWS query rows of one head against its KV
  * head's keys, which the call first transposes once for all its tasks,
  *
  *     keys_t[g][d][j] = K[j][g][d]   (zero past kv_len),
