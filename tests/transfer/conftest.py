@@ -6,8 +6,10 @@ import importlib.util
 import json
 import os
 import select
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -19,6 +21,7 @@ from disagg.workers.transfer import KVLayout, KVTransport
 
 PEER_SCRIPT = Path(__file__).with_name("peer.py")
 PEER_START_TIMEOUT_S = 60.0  # importing torch on a busy 2-core machine is slow
+PAUSE_TIMEOUT_S = 10.0
 LAYOUT = KVLayout("test-model", "float16", num_layers=3, num_blocks=48, block_size=4, num_kv_heads=2, head_dim=16)
 
 
@@ -92,10 +95,32 @@ class Peer:
         assert self.command(f"dump {path}") == "dumped"
         return torch.load(path)
 
+    def pause(self) -> None:
+        """SIGSTOP: alive, its connections open, but silent. The signal stops each thread when it
+        next leaves the kernel, so this waits until /proc shows every thread stopped."""
+        self.proc.send_signal(signal.SIGSTOP)
+        tasks = Path(f"/proc/{self.proc.pid}/task")
+        deadline = time.monotonic() + PAUSE_TIMEOUT_S
+        while not all(_thread_state(stat) in ("t", "T", "X") for stat in tasks.glob("*/stat")):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"peer {self.proc.pid} not stopped {PAUSE_TIMEOUT_S}s after SIGSTOP")
+            time.sleep(0.01)
+
+    def resume(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(10)
+
+
+def _thread_state(stat: Path) -> str:
+    """A thread's state letter from its /proc stat line ("X", dead, for a thread that has just exited)."""
+    try:
+        return stat.read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return "X"
 
 
 @pytest.fixture(autouse=True)

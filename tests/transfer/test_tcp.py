@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import random
-import signal
 import socket
 import time
 from collections.abc import Callable
@@ -130,13 +128,13 @@ def test_waits_are_bounded_and_a_lost_peer_fails_transfers(
         session = prefill.session("decode-2", timeout=WAIT_S)
         with pytest.raises(TransferTimeout):
             prefill.session("nobody", timeout=0.2)
-        os.kill(decode.proc.pid, signal.SIGSTOP)  # a decode that stops answering
+        decode.pause()  # a decode that stops answering
         try:
             handle = session.push(0, [0, 1], [5, 6])
             with pytest.raises(TransferTimeout):
                 handle.wait(0.5)
         finally:
-            os.kill(decode.proc.pid, signal.SIGCONT)
+            decode.resume()
         handle.wait(WAIT_S)
         decode.stop()
         deadline = time.monotonic() + WAIT_S
