@@ -186,14 +186,14 @@ def requests_at(args: argparse.Namespace, concurrency: int) -> int:
     return max(2, concurrency) if args.quick else max(8, 4 * concurrency)
 
 
-def bench_serve(args: argparse.Namespace, url: str, concurrency: int, out: Path, seed: int | None = None) -> Result:
-    """`seed`: of the random prompts (default --seed)."""
+def bench_serve(args: argparse.Namespace, url: str, concurrency: int, out: Path, seed: int) -> Result:
+    """`seed`: of the random prompts (prompt_seed)."""
     requests = requests_at(args, concurrency)
     run([args.vllm_venv / "bin" / "vllm", "bench", "serve", "--backend", "openai", "--base-url", url,
          "--endpoint", "/v1/completions", "--model", SERVED, "--tokenizer", args.model_dir,
          "--dataset-name", "random", "--random-input-len", args.input_tokens,
          "--random-output-len", args.output_tokens, "--random-range-ratio", 0, "--ignore-eos", "--temperature", 0,
-         "--max-concurrency", concurrency, "--num-prompts", requests, "--num-warmups", 1, "--seed", args.seed if seed is None else seed,
+         "--max-concurrency", concurrency, "--num-prompts", requests, "--num-warmups", 1, "--seed", seed,
          "--disable-tqdm", "--ready-check-timeout-sec", 0,
          "--save-result", "--result-dir", out, "--result-filename", "result.json"],
         out / "bench.log", args.run_timeout)
@@ -205,8 +205,7 @@ def measure(args: argparse.Namespace, server: Server, out: Path) -> dict[int, Re
         results = {}
         for c in args.concurrency:
             print(f"  {server.name}: concurrency {c}, {requests_at(args, c)} requests", flush=True)
-            # prompts of their own at each concurrency: none found in the prefix cache from the last
-            results[c] = bench_serve(args, url, c, out / f"c{c}", seed=args.seed + 1000 * c)
+            results[c] = bench_serve(args, url, c, out / f"c{c}", seed=prompt_seed(args, c))
         return results
 
 
@@ -241,6 +240,17 @@ def ratios(results: dict[str, dict[int, Result]], servers: list[Server], levels:
     return "\n".join([head, "|---|" + "---:|" * 4 * len(levels), *rows])
 
 
+def prompt_seed(args: argparse.Namespace, concurrency: int, turn: int = 0) -> int:
+    """Prompts of their own at each concurrency and turn: none found in a prefix cache from the last."""
+    return args.seed + 1000 * concurrency + turn
+
+
+def print_tables(results: dict[str, dict[int, Result]], servers: list[Server], levels: list[int]) -> None:
+    print(table(results, levels))
+    print()
+    print(ratios(results, servers, levels))
+
+
 def median_result(results: list[Result]) -> Result:
     return Result(statistics.median(r.output_tok_s for r in results), statistics.median(r.ttft_ms for r in results),
                   statistics.median(r.tpot_ms for r in results), statistics.median(r.e2e_ms for r in results),
@@ -259,16 +269,14 @@ def bench_in_turn(args: argparse.Namespace, servers: list[Server], out: Path) ->
             for t in range(args.in_turn):
                 for s in servers if t % 2 == 0 else servers[::-1]:
                     turn = bench_serve(args, urls[s.name], c, out / f"c{c}" / f"turn{t + 1}" / s.name.replace(" ", "-"),
-                                       seed=args.seed + 1000 * c + t)
+                                       seed=prompt_seed(args, c, t))
                     turns[s.name].append(turn)
                     print(f"  c={c} turn {t + 1} {s.name}: {turn.tok_s} tok/s, TTFT {turn.ttft_ms:.0f} ms, "
                           f"TPOT {turn.tpot_ms:.1f} ms (load average {os.getloadavg()[0]:.2f})", flush=True)
             for name, each in turns.items():
                 results[name][c] = median_result(each)
     print(f"\nmedians over {args.in_turn} turns per concurrency")
-    print(table(results, args.concurrency))
-    print()
-    print(ratios(results, servers, args.concurrency))
+    print_tables(results, servers, args.concurrency)
 
 
 def bench(args: argparse.Namespace, servers: list[Server], out: Path) -> None:
@@ -281,9 +289,7 @@ def bench(args: argparse.Namespace, servers: list[Server], out: Path) -> None:
         print(f"\nround {r + 1}: {', '.join(s.name for s in order)}", flush=True)
         results = {s.name: measure(args, s, out / f"round{r + 1}" / s.name.replace(" ", "-")) for s in order}
         print(f"\nround {r + 1}, load average {load[0]:.2f} at its start, {os.getloadavg()[0]:.2f} at its end")
-        print(table(results, args.concurrency))
-        print()
-        print(ratios(results, servers, args.concurrency))
+        print_tables(results, servers, args.concurrency)
 
 
 def main() -> int:

@@ -243,7 +243,7 @@ class OutputBuilder:
         arguments = delta.function.arguments or ""
         events = self.finish("completed")
         item = FunctionCallItem(id=new_id("fc"), call_id=delta.id, name=delta.function.name, arguments="",
-                                  status="in_progress")
+                                status="in_progress")
         self.items.append(item)
         events.append(self._item_event("response.output_item.added", item))
         where = {"item_id": item.id, "output_index": len(self.items) - 1}

@@ -21,7 +21,6 @@
  */
 #include <math.h>
 #include <stddef.h>
-#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -136,7 +135,7 @@ static void softmax_chunk(float scores[ROWS][CHUNK], const int *positions, int f
         }
         state->sum[r] = state->sum[r] * rescale + sum8(sum);
         state->max[r] = new_max;
-        if (rescale != 1.0f)
+        if (old_max != -INFINITY && rescale != 1.0f) /* (a row's first keys: its outputs are still 0) */
             for (int d = 0; d < head_dim; d += 8)
                 _mm256_storeu_ps(&state->out[r][d],
                                  _mm256_mul_ps(_mm256_loadu_ps(&state->out[r][d]), _mm256_set1_ps(rescale)));
