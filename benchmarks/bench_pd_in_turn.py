@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import shlex
 import statistics
 import sys
 import tempfile
@@ -100,6 +101,8 @@ def main() -> int:
     p.add_argument("--requests-per-turn", type=int, default=None,
                    help="default: 1 at concurrency 1, else twice the concurrency")
     p.add_argument("--turns", type=int, default=12, help="turns per server (default %(default)s)")
+    p.add_argument("--pd-args", default="", help="more flags for the PD pair's two workers, e.g. "
+                                                 "\"--pd-policy auto\"")
     args = p.parse_args()
     per_turn = args.requests_per_turn or (1 if args.concurrency == 1 else 2 * args.concurrency)
     rng = random.Random(0)
@@ -113,7 +116,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-pd-in-turn-") as logs, \
             httpx.Client(timeout=300, limits=limits) as client, \
             running_mixed(args.model, Path(logs) / "mixed", extra) as mixed, \
-            running_pair(args.model, Path(logs) / "pd", extra, STARTUP_S) as (prefill, decode):
+            running_pair(args.model, Path(logs) / "pd", [*extra, *shlex.split(args.pd_args)], STARTUP_S) as (prefill, decode):
         urls = {"mixed": mixed.base_url, "PD": prefill.base_url}
         pids = {"mixed": [mixed.process.pid], "PD": [decode.process.pid, prefill.process.pid]}
         for name in urls:  # a first turn each, not counted

@@ -61,15 +61,28 @@ def test_each_worker_steps_on_one_thread_beside_the_other_and_on_all_alone(tmp_p
     prefill, decode = PrefillTurns(tmp_path), DecodeTurns(tmp_path, LONG_WAIT_S)
     assert decode.may_step(4) and decode.step_threads() is None  # no prefill has work: alone
     decode.after_step()
-    assert prefill.may_step(1) and prefill.step_threads() is None  # no decode steps beside it
-    assert decode.may_step(4) and decode.step_threads() == BESIDE_THREADS  # more requests: beside
+    assert prefill.may_step(4) and prefill.step_threads() is None  # as many requests: the decode will wait
+    assert decode.may_step(5) and decode.step_threads() == BESIDE_THREADS  # more requests: beside
     assert prefill.step_threads() == BESIDE_THREADS  # ... and the prefill's next step too
     decode.after_step()
-    assert prefill.step_threads() is None  # the decode's step beside ended
+    assert prefill.may_step(5) and prefill.step_threads() is None  # the decode's step beside ended
     prefill.idle()
     assert decode.may_step(4) and decode.step_threads() is None  # alone again
     decode.after_step()
     decode.idle()
+
+
+def test_a_prefill_holding_fewer_requests_takes_one_thread_before_the_decode_steps_beside(tmp_path: Path) -> None:
+    """A prompt step on every thread that the decode's step then joins would run three threads
+    on two cores; the decode runs more requests, so its step beside comes next: one thread."""
+    prefill, decode = PrefillTurns(tmp_path), DecodeTurns(tmp_path, LONG_WAIT_S)
+    assert decode.may_step(6)
+    decode.after_step()  # between the decode's steps, not beside anything yet
+    assert prefill.may_step(2) and prefill.step_threads() == BESIDE_THREADS
+    assert prefill.may_step(6) and prefill.step_threads() is None  # more prompts: the decode will wait
+    decode.idle()  # its requests ended: the count it wrote no longer counts
+    assert prefill.may_step(2) and prefill.step_threads() is None
+    prefill.idle()
 
 
 def test_a_prefill_waits_for_the_decode_step_in_progress_and_then_goes_first(tmp_path: Path) -> None:

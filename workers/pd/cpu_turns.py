@@ -13,8 +13,9 @@ through four flock(2) locks in DIR, which the kernel drops when a worker dies:
   and reads the number before each step;
 - `steps`, held shared by a prefill across those steps, and exclusively by a
   decode for one step;
-- `decodes`, held shared by a decode while it has requests; a prefill tests it
-  before each step;
+- `decodes`, held shared by a decode while it has requests, with the number
+  it runs written in it; a prefill tests the lock and reads the number before
+  each step;
 - `beside`, held shared by a decode for a step it takes beside the prefill's
   prompts; a prefill tests it before each step.
 
@@ -55,7 +56,12 @@ regions made the PD pair's decode slower than a mixed worker's (PD 0.84x at
 concurrency 1). Stepping beside the other worker, each steps on one thread:
 two pools of spinning threads on the same cores held the cores each other
 needed at every barrier (0.62x at concurrency 32, docs/benchmarks.md,
-"OpenMP spinning for the PD pair").
+"OpenMP spinning for the PD pair"). A prefill holding fewer requests than a
+decode runs takes one thread before the decode's step beside it begins, since
+by the rule above that step comes at once: a prompt step of every thread that
+the decode's thread then joins runs three threads on two cores for up to a
+second, its two threads meeting at every barrier behind the third
+(docs/benchmarks.md, "A prefill's threads before the decode's step beside it").
 
 A prefill waits at most `PREFILL_WAIT_S` for a decode's step to end. The engine
 loop asks `may_step()` between looks at its command queue, so commands (a
@@ -73,7 +79,7 @@ from pathlib import Path
 PREFILL_WAIT_S = 2.0  # a decode's step ends well within this
 DEFAULT_DECODE_WAIT_S = 1.0
 BESIDE_THREADS = 1  # a worker's threads for a step beside the other's
-_COUNT = struct.Struct("<q")  # the prefill's requests, at the start of the `prompts` file
+_COUNT = struct.Struct("<q")  # a worker's requests, at the start of its lock's file
 
 
 class _Lock:
@@ -96,6 +102,24 @@ class _Lock:
         if self.held:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
             self.held = False
+
+
+class _Published:
+    """The request count a worker writes in its lock's file for the other to read."""
+
+    def __init__(self, lock: _Lock) -> None:
+        self.lock = lock
+        self.value: int | None = None
+
+    def write(self, requests: int) -> None:
+        if requests != self.value:
+            os.pwrite(self.lock.fd, _COUNT.pack(requests), 0)
+            self.value = requests
+
+
+def _read_count(lock: _Lock) -> int:
+    data = os.pread(lock.fd, _COUNT.size, 0)
+    return _COUNT.unpack(data)[0] if len(data) == _COUNT.size else 0
 
 
 def _locks(folder: Path) -> tuple[_Lock, _Lock, _Lock, _Lock]:
@@ -129,11 +153,11 @@ class PrefillTurns:
             raise ValueError(f"a prefill's step while decodes run must be positive, got {busy_step_tokens}")
         self._prompts, self._steps, self._decodes, self._beside = _locks(folder)
         self._waiting = _Waiting(PREFILL_WAIT_S)
-        self._published: int | None = None
+        self._published = _Published(self._prompts)
         self._busy_step_tokens = busy_step_tokens
 
     def may_step(self, requests: int) -> bool:
-        self._publish(requests)
+        self._published.write(requests)
         # `prompts` fails only for the instant a decode tests it; `steps` while a decode steps alone.
         if not self._prompts.held:
             self._prompts.take(fcntl.LOCK_SH)
@@ -151,23 +175,22 @@ class PrefillTurns:
         return self._busy_step_tokens
 
     def step_threads(self) -> int | None:
-        if self._beside.take(fcntl.LOCK_EX):  # no decode steps beside the prompts
-            self._beside.release()
+        if not self._beside.take(fcntl.LOCK_EX):  # a decode steps beside the prompts
+            return BESIDE_THREADS
+        self._beside.release()
+        if self._decodes.take(fcntl.LOCK_EX):  # no decode has requests
+            self._decodes.release()
             return None
-        return BESIDE_THREADS
+        # A decode running more requests than this prefill holds steps beside it next.
+        return BESIDE_THREADS if _read_count(self._decodes) > (self._published.value or 0) else None
 
     def after_step(self) -> None:
         """Kept across steps: the next prompt step follows at once."""
 
     def idle(self) -> None:
-        self._publish(0)
+        self._published.write(0)
         self._steps.release()
         self._prompts.release()
-
-    def _publish(self, requests: int) -> None:
-        if requests != self._published:
-            os.pwrite(self._prompts.fd, _COUNT.pack(requests), 0)
-            self._published = requests
 
 
 class DecodeTurns:
@@ -179,9 +202,11 @@ class DecodeTurns:
             raise ValueError(f"a decode's wait for its turn must be positive, got {wait_s}")
         self._prompts, self._steps, self._decodes, self._beside = _locks(folder)
         self._waiting = _Waiting(wait_s)
+        self._published = _Published(self._decodes)
         self._stepping_beside = False
 
     def may_step(self, requests: int) -> bool:
+        self._published.write(requests)
         if not self._decodes.held:  # fails only for the instant a prefill tests it: taken next step
             self._decodes.take(fcntl.LOCK_SH)
         if self._prompts.take(fcntl.LOCK_EX):  # no prefill has work
@@ -191,7 +216,7 @@ class DecodeTurns:
                 return True
             go = False
         else:
-            go = requests > self._prefill_requests()
+            go = requests > _read_count(self._prompts)
         if go or self._waiting.over():
             self._waiting.reset()
             self._stepping_beside = True
@@ -214,7 +239,3 @@ class DecodeTurns:
         self._steps.release()
         self._beside.release()
         self._decodes.release()
-
-    def _prefill_requests(self) -> int:
-        data = os.pread(self._prompts.fd, _COUNT.size, 0)
-        return _COUNT.unpack(data)[0] if len(data) == _COUNT.size else 0
