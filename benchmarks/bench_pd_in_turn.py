@@ -9,7 +9,7 @@ clients, each sending its next as soon as its last ends (as `vllm bench serve
 --max-concurrency` does); each request streams 128 tokens after a random prompt
 of 256 token ids, greedy with ignore_eos, as bench_peers.py's load.
 
-    .venv/bin/python benchmarks/bench_pd_in_turn.py [--dtype float32] [--concurrency 1] [--turns 12]
+    .venv/bin/python benchmarks/bench_pd_in_turn.py [--dtype float32] [--concurrency 1] [--turns 12] [--pd-args "..."]
 
 Prints, per turn and then as medians over the turns of each server: output
 tokens per second, the median TTFT and TPOT (first to last token over the
@@ -111,12 +111,13 @@ def main() -> int:
         return [[rng.randrange(100, 40000) for _ in range(PROMPT_TOKENS)] for _ in range(n)]
 
     extra = ["--served-model-name", SERVED, "--max-model-len", "2048", "--dtype", args.dtype]
+    pd_extra = [*extra, *shlex.split(args.pd_args)]
     turns: dict[str, list[Turn]] = {"mixed": [], "PD": []}
     limits = httpx.Limits(max_connections=2 * args.concurrency)
     with tempfile.TemporaryDirectory(prefix="bench-pd-in-turn-") as logs, \
             httpx.Client(timeout=300, limits=limits) as client, \
             running_mixed(args.model, Path(logs) / "mixed", extra) as mixed, \
-            running_pair(args.model, Path(logs) / "pd", [*extra, *shlex.split(args.pd_args)], STARTUP_S) as (prefill, decode):
+            running_pair(args.model, Path(logs) / "pd", pd_extra, STARTUP_S) as (prefill, decode):
         urls = {"mixed": mixed.base_url, "PD": prefill.base_url}
         pids = {"mixed": [mixed.process.pid], "PD": [decode.process.pid, prefill.process.pid]}
         for name in urls:  # a first turn each, not counted
