@@ -21,7 +21,6 @@ ratios PD / mixed.
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import shlex
 import statistics
@@ -37,10 +36,10 @@ import httpx
 from bench_pd import SERVED, STARTUP_S
 from bench_serving import running_mixed
 
+from disagg.testing.processes import cpu_seconds, thread_cpu_seconds
 from disagg.workers.demo import running_pair
 
 PROMPT_TOKENS, OUTPUT_TOKENS = 256, 128
-_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass
@@ -49,12 +48,7 @@ class Turn:
     ttft_s: float  # median over the turn's requests
     tpot_s: float
     cpu_per_token_s: list[float]  # per worker process
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process, all its threads, so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _TICKS_PER_S  # utime and stime, /proc's fields 14 and 15
+    threads_per_token_s: list[list[float]]  # per worker process, its busiest threads first
 
 
 def timed_request(client: httpx.Client, url: str, prompt: list[int]) -> tuple[float, float]:
@@ -72,25 +66,33 @@ def timed_request(client: httpx.Client, url: str, prompt: list[int]) -> tuple[fl
 
 def run_turn(client: httpx.Client, url: str, pids: list[int], prompts: list[list[int]], concurrency: int) -> Turn:
     cpu_before = [cpu_seconds(pid) for pid in pids]
+    threads_before = [thread_cpu_seconds(pid) for pid in pids]
     began = time.monotonic()
     with ThreadPoolExecutor(concurrency) as pool:
         timings = list(pool.map(lambda prompt: timed_request(client, url, prompt), prompts))
     elapsed = time.monotonic() - began
     tokens = len(prompts) * OUTPUT_TOKENS
     ttfts, tpots = zip(*timings)
+    threads = [sorted(((seconds - before.get(tid, 0.0)) / tokens for tid, seconds in thread_cpu_seconds(pid).items()),
+                      reverse=True) for pid, before in zip(pids, threads_before)]
     return Turn(tokens / elapsed, statistics.median(ttfts), statistics.median(tpots),
-                [(cpu_seconds(pid) - before) / tokens for pid, before in zip(pids, cpu_before)])
+                [(cpu_seconds(pid) - before) / tokens for pid, before in zip(pids, cpu_before)],
+                threads)
 
 
-def describe(turn: Turn) -> str:
-    return (f"{turn.tokens_per_s:6.1f} tok/s  TTFT {turn.ttft_s * 1000:7.1f} ms  TPOT {turn.tpot_s * 1000:5.1f} ms"
+def describe(turn: Turn, per_thread: bool = False) -> str:
+    text = (f"{turn.tokens_per_s:6.1f} tok/s  TTFT {turn.ttft_s * 1000:7.1f} ms  TPOT {turn.tpot_s * 1000:5.1f} ms"
             "  CPU per token " + " + ".join(f"{c * 1000:.1f}" for c in turn.cpu_per_token_s) + " ms")
+    if per_thread:  # threads of at least 0.05 ms a token, busiest first
+        text += "  (threads: " + "; ".join(" / ".join(f"{c * 1000:.2f}" for c in process if c >= 5e-5)
+                                           for process in turn.threads_per_token_s) + ")"
+    return text
 
 
 def median_turn(turns: list[Turn]) -> Turn:
     return Turn(statistics.median(t.tokens_per_s for t in turns), statistics.median(t.ttft_s for t in turns),
                 statistics.median(t.tpot_s for t in turns),
-                [statistics.median(column) for column in zip(*(t.cpu_per_token_s for t in turns))])
+                [statistics.median(column) for column in zip(*(t.cpu_per_token_s for t in turns))], [])
 
 
 def main() -> int:
@@ -101,6 +103,8 @@ def main() -> int:
     p.add_argument("--requests-per-turn", type=int, default=None,
                    help="default: 1 at concurrency 1, else twice the concurrency")
     p.add_argument("--turns", type=int, default=12, help="turns per server (default %(default)s)")
+    p.add_argument("--per-thread", action="store_true",
+                   help="also print each turn's CPU per output token of each worker thread (ms, from /proc)")
     p.add_argument("--pd-args", default="", help="more flags for the PD pair's two workers, e.g. "
                                                  "\"--pd-policy auto\"")
     args = p.parse_args()
@@ -125,7 +129,7 @@ def main() -> int:
         for i in range(args.turns):
             for name in ("mixed", "PD") if i % 2 == 0 else ("PD", "mixed"):
                 turns[name].append(run_turn(client, urls[name], pids[name], prompts(per_turn), args.concurrency))
-                print(f"{name:5} {describe(turns[name][-1])}", flush=True)
+                print(f"{name:5} {describe(turns[name][-1], args.per_thread)}", flush=True)
     print(f"\n{args.dtype}, concurrency {args.concurrency}, {args.turns} turns of {per_turn} requests each, "
           "medians over the turns:")
     mixed_turn, pd_turn = median_turn(turns["mixed"]), median_turn(turns["PD"])

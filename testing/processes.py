@@ -95,8 +95,9 @@ class ManagedProcess:
         return code
 
 
-def _stat_fields(pid: int) -> list[str] | None:
-    """/proc/PID/stat's fields after the command name (state first), or None when it is gone."""
+def _stat_fields(pid: int | str) -> list[str] | None:
+    """/proc/PID/stat's fields after the command name (state first), or None when it is gone;
+    `pid` may also be "PID/task/TID", one thread of a process."""
     try:
         text = Path(f"/proc/{pid}/stat").read_text()
     except (FileNotFoundError, ProcessLookupError):
@@ -111,10 +112,20 @@ def _stat(pid: int) -> tuple[str, int] | None:
     return None if fields is None else (fields[0], int(fields[2]))
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far, its threads included (0 once it is gone)."""
+def cpu_seconds(pid: int | str) -> float:
+    """User + system CPU time of a process so far, its threads included (0 once it is gone);
+    of one thread for "PID/task/TID"."""
     fields = _stat_fields(pid)
     return 0.0 if fields is None else (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu_seconds(pid: int) -> dict[str, float]:
+    """User + system CPU time so far of each live thread of a process, by thread id."""
+    try:
+        tids = [task.name for task in Path(f"/proc/{pid}/task").iterdir()]
+    except FileNotFoundError:
+        return {}
+    return {tid: cpu_seconds(f"{pid}/task/{tid}") for tid in tids}
 
 
 def process_running(pid: int) -> bool:

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
 import subprocess
 import sys
+import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -20,7 +23,7 @@ from disagg.testing.cluster import LocalCluster, wait_until
 from disagg.testing.kubelet import HOSTNAME_LABEL, LocalKubelet, selects
 from disagg.testing.podenv import PodConfigError, command_line, container_env, expand
 from disagg.testing.probes import Probe, ProbeTracker
-from disagg.testing.processes import process_running
+from disagg.testing.processes import cpu_seconds, process_running, thread_cpu_seconds
 from disagg.testing.rest import Kube, Obj, pod_path
 
 GATE = "disagg.dev/linked"
@@ -73,6 +76,35 @@ def test_probe_tracker_applies_thresholds() -> None:
     assert not tracker.record(False, 2.0) and tracker.ready  # 1 of 2 failures
     assert tracker.record(False, 3.0) and not tracker.ready
     assert not tracker.due(3.5) and tracker.due(4.0)
+
+
+def test_thread_cpu_seconds_finds_the_busy_thread() -> None:
+    """The per-thread CPU split the PD benchmark prints: a thread that spun shows its own time."""
+    spun: list[str] = []
+    release = threading.Event()
+
+    def spin() -> None:
+        end = time.thread_time() + 0.3
+        while time.thread_time() < end:
+            pass
+        spun.append(str(threading.get_native_id()))
+        release.wait(timeout=30)
+
+    before = thread_cpu_seconds(os.getpid())
+    worker = threading.Thread(target=spin)
+    worker.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not spun and time.monotonic() < deadline:
+            time.sleep(0.01)
+        during = thread_cpu_seconds(os.getpid())
+    finally:
+        release.set()
+        worker.join(timeout=30)
+    assert spun and spun[0] not in before
+    assert during[spun[0]] >= 0.25  # its own 0.3 s, not the process's
+    assert sum(during.values()) <= cpu_seconds(os.getpid()) + 0.05
+    assert cpu_seconds(f"{os.getpid()}/task/{spun[0]}") == 0.0  # it ended: gone, not an error
 
 
 def test_node_selector_matches_like_the_scheduler() -> None:
