@@ -57,11 +57,12 @@ class Load:
         return ids
 
 
-def prompt_step(engine: LLMEngine, load: Load, prompts: int) -> float:
-    """Wall ms of one step computing `prompts` new prompts, which then end (one token each)."""
+def prompt_step(load: Load, prompts: int) -> float:
+    """Wall ms of one step of the load's engine computing `prompts` new prompts, which then end
+    (one token each)."""
     load.add(prompts, max_tokens=1)
-    wall = timed_step(engine)
-    engine.step()  # their sampled token ends them
+    wall = timed_step(load.engine)
+    load.engine.step()  # their sampled token ends them
     return wall
 
 
@@ -80,13 +81,14 @@ def main() -> int:
     step_tokens = args.prompts * args.prompt_tokens + max(args.batch_sizes)
     context = DECODE_CONTEXT + 2 * args.rounds + 20
 
-    def engine_and_load() -> tuple[LLMEngine, Load]:
+    def new_load() -> Load:
         engine = build_engine(args.model, args.dtype, max(args.batch_sizes) + args.prompts, context, step_tokens)
-        return engine, Load(engine, args.prompt_tokens)
+        return Load(engine, args.prompt_tokens)
 
     # Two engines, so that P is timed in the same moments as D and M: a step of a second
     # on a shared machine moves by more than the difference sought.
-    (plain, plain_load), (busy, busy_load) = engine_and_load(), engine_and_load()
+    plain, busy_load = new_load(), new_load()
+    busy = busy_load.engine
     print(f"command: {' '.join(sys.orig_argv)}")
     print(f"{args.model}, {args.dtype}, {torch.get_num_threads()} threads, prompt steps of {args.prompts} x "
           f"{args.prompt_tokens} tokens, {args.rounds} rounds of (P, M, D); load average "
@@ -94,15 +96,15 @@ def main() -> int:
     print("| decode rows B | prompt step alone P (ms) | decode step alone D (ms) | prompt step with the rows M (ms) "
           "| M - P, median of rounds (ms) | (M - P) / D |")
     print("|---:|---:|---:|---:|---:|---:|")
-    prompt_step(plain, plain_load, args.prompts)  # warm
+    prompt_step(plain, args.prompts)  # warm
     for batch in args.batch_sizes:
         decodes = busy_load.add(batch, max_tokens=context - args.prompt_tokens)
         while busy.num_waiting or any(r.num_computed_tokens < args.prompt_tokens for r in busy.scheduler.running):
             busy.step()  # their prompts
         walls: list[tuple[float, float, float]] = []
         for _ in range(args.rounds):
-            alone = prompt_step(plain, plain_load, args.prompts)
-            riding = prompt_step(busy, busy_load, args.prompts)
+            alone = prompt_step(plain, args.prompts)
+            riding = prompt_step(busy_load, args.prompts)
             walls.append((alone, riding, timed_step(busy)))
         alone, riding, decode = (statistics.median(w[i] for w in walls) for i in range(3))
         marginal = statistics.median(r - a for a, r, _ in walls)

@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -48,7 +48,7 @@ class Turn:
     ttft_s: float  # median over the turn's requests
     tpot_s: float
     cpu_per_token_s: list[float]  # per worker process
-    threads_per_token_s: list[list[float]]  # per worker process, its busiest threads first
+    threads_per_token_s: list[list[float]] = field(default_factory=list)  # per process, busiest first
 
 
 def timed_request(client: httpx.Client, url: str, prompt: list[int]) -> tuple[float, float]:
@@ -92,7 +92,7 @@ def describe(turn: Turn, per_thread: bool = False) -> str:
 def median_turn(turns: list[Turn]) -> Turn:
     return Turn(statistics.median(t.tokens_per_s for t in turns), statistics.median(t.ttft_s for t in turns),
                 statistics.median(t.tpot_s for t in turns),
-                [statistics.median(column) for column in zip(*(t.cpu_per_token_s for t in turns))], [])
+                [statistics.median(column) for column in zip(*(t.cpu_per_token_s for t in turns))])
 
 
 def main() -> int:
