@@ -10,6 +10,7 @@ clients, each sending its next as soon as its last ends (as `vllm bench serve
 of 256 token ids, greedy with ignore_eos, as bench_peers.py's load.
 
     .venv/bin/python benchmarks/bench_pd_in_turn.py [--dtype float32] [--concurrency 1] [--turns 12] [--pd-args "..."]
+        [--per-thread] [--per-request]
 
 Prints, per turn and then as medians over the turns of each server: output
 tokens per second, the median TTFT and TPOT (first to last token over the
@@ -49,6 +50,7 @@ class Turn:
     tpot_s: float
     cpu_per_token_s: list[float]  # per worker process
     threads_per_token_s: list[list[float]] = field(default_factory=list)  # per process, busiest first
+    requests: list[tuple[float, float, float]] = field(default_factory=list)  # (sent, TTFT, TPOT) s, by sending
 
 
 def timed_request(client: httpx.Client, url: str, prompt: list[int]) -> tuple[float, float]:
@@ -68,16 +70,20 @@ def run_turn(client: httpx.Client, url: str, pids: list[int], prompts: list[list
     cpu_before = [cpu_seconds(pid) for pid in pids]
     threads_before = [thread_cpu_seconds(pid) for pid in pids]
     began = time.monotonic()
+
+    def sent_and_timed(prompt: list[int]) -> tuple[float, float, float]:
+        return (time.monotonic() - began, *timed_request(client, url, prompt))
+
     with ThreadPoolExecutor(concurrency) as pool:
-        timings = list(pool.map(lambda prompt: timed_request(client, url, prompt), prompts))
+        requests = sorted(pool.map(sent_and_timed, prompts))
     elapsed = time.monotonic() - began
     tokens = len(prompts) * OUTPUT_TOKENS
-    ttfts, tpots = zip(*timings)
+    _, ttfts, tpots = zip(*requests)
     threads = [sorted(((seconds - before.get(tid, 0.0)) / tokens for tid, seconds in thread_cpu_seconds(pid).items()),
                       reverse=True) for pid, before in zip(pids, threads_before)]
     return Turn(tokens / elapsed, statistics.median(ttfts), statistics.median(tpots),
                 [(cpu_seconds(pid) - before) / tokens for pid, before in zip(pids, cpu_before)],
-                threads)
+                threads, requests)
 
 
 def describe(turn: Turn, per_thread: bool = False) -> str:
@@ -87,6 +93,16 @@ def describe(turn: Turn, per_thread: bool = False) -> str:
         text += "  (threads: " + "; ".join(" / ".join(f"{c * 1000:.2f}" for c in process if c >= 5e-5)
                                            for process in turn.threads_per_token_s) + ")"
     return text
+
+
+def describe_requests(turn: Turn, concurrency: int) -> str:
+    """Each request's sending time, TTFT and TPOT, in the order sent; and the median TTFT of the
+    turn's first `concurrency` requests (sent at once) and of the rest (sent as those ended)."""
+    lines = [f"    sent {sent:6.1f} s  TTFT {ttft * 1000:7.0f} ms  TPOT {tpot * 1000:5.1f} ms"
+             for sent, ttft, tpot in turn.requests]
+    ttfts = [ttft for _, ttft, _ in turn.requests]
+    medians = [f"{statistics.median(part) * 1000:.0f} ms" for part in (ttfts[:concurrency], ttfts[concurrency:]) if part]
+    return "\n".join([*lines, "    median TTFT, first sent at once / the rest: " + " / ".join(medians)])
 
 
 def median_turn(turns: list[Turn]) -> Turn:
@@ -105,6 +121,8 @@ def main() -> int:
     p.add_argument("--turns", type=int, default=12, help="turns per server (default %(default)s)")
     p.add_argument("--per-thread", action="store_true",
                    help="also print each turn's CPU per output token of each worker thread (ms, from /proc)")
+    p.add_argument("--per-request", action="store_true",
+                   help="also print each request's sending time, TTFT and TPOT, turn by turn")
     p.add_argument("--pd-args", default="", help="more flags for the PD pair's two workers, e.g. "
                                                  "\"--pd-policy auto\"")
     args = p.parse_args()
@@ -130,6 +148,8 @@ def main() -> int:
             for name in ("mixed", "PD") if i % 2 == 0 else ("PD", "mixed"):
                 turns[name].append(run_turn(client, urls[name], pids[name], prompts(per_turn), args.concurrency))
                 print(f"{name:5} {describe(turns[name][-1], args.per_thread)}", flush=True)
+                if args.per_request:
+                    print(describe_requests(turns[name][-1], args.concurrency), flush=True)
     print(f"\n{args.dtype}, concurrency {args.concurrency}, {args.turns} turns of {per_turn} requests each, "
           "medians over the turns:")
     mixed_turn, pd_turn = median_turn(turns["mixed"]), median_turn(turns["PD"])
