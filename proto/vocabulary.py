@@ -55,7 +55,10 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")  # "auto": bfloat16 on CUDA 
 HTTP_PORT = 8000  # the OpenAI API, /health, /ready, /metrics
 GRPC_PORT = 7777  # DisaggPDService
 TRANSFER_PORT = 26000  # the KV data path
-ADMIN_PORT = 8100  # /drain and xLLM's HTTP link routes: state changes, kept off the client port
+# /drain, and xLLM's HTTP link routes as well as on the HTTP port; by default the HTTP port's plus the
+# offset, so that workers given distinct HTTP ports on one host get distinct admin ports too.
+ADMIN_PORT_OFFSET = 100
+ADMIN_PORT = HTTP_PORT + ADMIN_PORT_OFFSET
 # Where a worker reads its client API key (the operator sets it from a Secret); an
 # environment variable stays out of `ps`, where a flag would show.
 API_KEY_ENV = "DISAGG_API_KEY"

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from disagg.proto.vocabulary import (
-    API_KEY_ENV, DEVICES, DTYPES, KV_CHECKSUMS, PD_POLICIES, TRANSFER_MODES, TRANSPORTS, PDPolicy,
+    ADMIN_PORT_OFFSET, API_KEY_ENV, DEVICES, DTYPES, KV_CHECKSUMS, PD_POLICIES, TRANSFER_MODES, TRANSPORTS, PDPolicy,
 )
 from disagg.workers.config import (
     PREFILL_CPU_STEP_TOKENS, Role, ServerConfig, TransferMode, Transport, default_step_tokens,
@@ -45,8 +45,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                       help="DisaggPDService (default %(default)s)")
     role.add_argument("--transfer-port", type=int, default=_default(s, "transfer_port"),
                       help="KV data path (default %(default)s)")
-    role.add_argument("--admin-port", type=int, default=_default(s, "admin_port"),
-                      help="/drain and xLLM's HTTP link routes, kept off the OpenAI port (default %(default)s)")
+    role.add_argument("--admin-port", type=int, default=None,
+                      help=f"/drain (and xLLM's HTTP link routes) (default: --http-port + {ADMIN_PORT_OFFSET})")
     role.add_argument("--served-model-name", default=_default(s, "served_model_name"),
                       help="the model name clients send (default: the --model source)")
     client = p.add_argument_group("client API")
@@ -176,7 +176,7 @@ def build_configs(args: argparse.Namespace, env: Mapping[str, str] | None = None
         http_port=args.http_port,
         grpc_port=args.grpc_port,
         transfer_port=args.transfer_port,
-        admin_port=args.admin_port,
+        admin_port=args.admin_port if args.admin_port is not None else args.http_port + ADMIN_PORT_OFFSET,
         api_key=args.api_key if args.api_key is not None else env.get(API_KEY_ENV),
         max_queued_requests=args.max_queued_requests,
         served_model_name=args.served_model_name,

@@ -54,7 +54,7 @@ class ServerConfig:
     http_port: int = HTTP_PORT
     grpc_port: int = GRPC_PORT
     transfer_port: int = TRANSFER_PORT
-    admin_port: int = ADMIN_PORT  # /drain and xLLM's HTTP link routes: state changes, kept off the client port
+    admin_port: int = ADMIN_PORT  # /drain (state changes, off the client port) and xLLM's HTTP link routes
     served_model_name: str | None = None  # None: the --model source
     kv_transfer_mode: TransferMode = TransferMode.PUSH
     kv_transport: Transport = Transport.TCP

@@ -71,6 +71,19 @@ def test_the_api_key_comes_from_the_flag_or_the_environment() -> None:
         build_configs(parser.parse_args([*base, "--api-key", " "]), env={})
 
 
+def test_the_admin_port_follows_the_http_port_unless_given() -> None:
+    """Two workers on one host given only distinct HTTP ports (DESIGN.md's flags) bind distinct admin ports."""
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    base = ["--role", "mixed", "--model", "x"]
+    _, server = build_configs(parser.parse_args(base), env={})
+    assert server.admin_port == 8100
+    _, server = build_configs(parser.parse_args([*base, "--http-port", "8001"]), env={})
+    assert server.admin_port == 8101
+    _, server = build_configs(parser.parse_args([*base, "--http-port", "8001", "--admin-port", "9000"]), env={})
+    assert server.admin_port == 9000
+
+
 def test_cpu_turns_come_from_the_flags(tmp_path: Path) -> None:
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)

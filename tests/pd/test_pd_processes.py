@@ -203,9 +203,12 @@ def test_a_prefill_with_no_decode_answers_503(lone_prefill: WorkerProcess) -> No
 
 
 def test_disagg_link_refuses_a_different_block_size(cluster: Cluster, lone_prefill: WorkerProcess) -> None:
+    """The prefill given by host name: the refusal comes from the decode, which reached it."""
+    assert lone_prefill.instance_name.startswith("127.0.0.1:")
     result = subprocess.run(
         [sys.executable, "-m", "disagg.workers", "link", "--decode", cluster.d1.instance_name,
-         "--prefill", lone_prefill.instance_name, "--prefill-transfer-port", str(lone_prefill.transfer_port),
+         "--prefill", lone_prefill.instance_name.replace("127.0.0.1", "localhost"),
+         "--prefill-transfer-port", str(lone_prefill.transfer_port),
          "--cluster-key-file", str(cluster.d1.key_file)],
         capture_output=True, text=True, timeout=60,
     )
@@ -214,8 +217,11 @@ def test_disagg_link_refuses_a_different_block_size(cluster: Cluster, lone_prefi
     assert _ready(lone_prefill) == 503, "a refused link leaves the prefill unlinked"
 
 
-def test_the_http_link_form_links_and_unlinks(cluster: Cluster) -> None:
-    """xLLM's JSON form on the decode's HTTP port, with the same semantics as the gRPC call."""
+@pytest.mark.parametrize("port", ["http", "admin"])
+def test_the_http_link_form_links_and_unlinks(cluster: Cluster, port: str) -> None:
+    """xLLM's JSON form on the decode's HTTP port (DESIGN.md) and its admin port, with the same
+    semantics as the gRPC call, signed as the gRPC call is."""
+    url = cluster.d2.base_url if port == "http" else cluster.d2.admin_url
     body = {"instance_name": cluster.push.instance_name, "addrs": [cluster.push.transfer_address]}
     before = cluster.d2.metric("disagg_links")
     path = "/xllm.proto.DisaggPDService/LinkInstance"
@@ -223,10 +229,11 @@ def test_the_http_link_form_links_and_unlinks(cluster: Cluster) -> None:
     def signed() -> dict[str, str]:
         return http_credential_headers(cluster.d2.cluster_key, path)
 
-    r = httpx.post(f"{cluster.d2.admin_url}{path}", json=body, headers=signed(), timeout=30.0)
+    assert httpx.post(f"{url}{path}", json=body, timeout=30.0).status_code == 401, "unsigned"
+    r = httpx.post(f"{url}{path}", json=body, headers=signed(), timeout=30.0)
     assert r.status_code == 200 and r.json() == {"ok": True}, "linking again is a no-op"
     assert cluster.d2.metric("disagg_links") == before
-    bad = httpx.post(f"{cluster.d2.admin_url}{path}", json={"addrs": []}, headers=signed(), timeout=30.0)
+    bad = httpx.post(f"{url}{path}", json={"addrs": []}, headers=signed(), timeout=30.0)
     assert bad.status_code == 400 and "instance_name" in bad.json()["error"]["message"]
 
 

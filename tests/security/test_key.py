@@ -78,3 +78,18 @@ def test_replace_and_bad_text() -> None:
             ring.replace(text)
     assert ring.fingerprint() == _ring(nxt).fingerprint()
     assert "hidden" in repr(ring) and nxt.decode() not in repr(ring)
+
+
+def test_the_client_ports_guard_refuses_anonymous_calls_and_remembers_credentials_with_the_admin_guard() -> None:
+    from disagg.workers.security.control import ControlGuard
+
+    key = ClusterKey.generate()
+    refused: list[str] = []
+    admin = ControlGuard(key, allow_anonymous=True, on_failure=refused.append)
+    client = admin.refusing_anonymous()
+    assert admin.allows(METHOD, None, "http-link"), "an xLLM peer on the admin port"
+    assert not client.allows(METHOD, None, "http-link"), "a stranger on the client port"
+    credential = key.credential(METHOD)
+    assert client.allows(METHOD, credential, "http-link")
+    assert not admin.allows(METHOD, credential, "http-link"), "a credential used on one port is spent on both"
+    assert refused == ["http-link", "http-link"] and admin.allow_anonymous

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import socket
 import sys
 from typing import TYPE_CHECKING
 
@@ -40,9 +41,9 @@ async def _call(target: str, method: str, instance: str, transfer_port: int, tim
     from disagg.proto import disagg_pd_pb2_grpc
     from disagg.workers.security.control import control_channel
 
-    host = instance.rpartition(":")[0]
     try:
-        message = InstanceInfo(instance, f"{host}:{transfer_port}").to_proto()  # cluster_id needs an IPv4 host
+        instance = _by_ipv4(instance)  # the payload's cluster_id is made of an IPv4 address
+        message = InstanceInfo(instance, f"{instance.rpartition(':')[0]}:{transfer_port}").to_proto()
     except ValueError as exc:
         return str(exc)
     async with control_channel(target, key, tls=None if tls is None else tls.grpc_channel_credentials()) as channel:
@@ -52,6 +53,16 @@ async def _call(target: str, method: str, instance: str, transfer_port: int, tim
         except grpc.aio.AioRpcError as exc:
             return f"{exc.code().name}: {exc.details()}"
     return None if status.ok else "answered ok=false"
+
+
+def _by_ipv4(instance: str) -> str:
+    """HOST:PORT with HOST resolved to its first IPv4 address (`localhost:7777` -> `127.0.0.1:7777`)."""
+    host, _, port = instance.rpartition(":")
+    try:
+        address = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
+    except (socket.gaierror, UnicodeError) as exc:
+        raise ValueError(f"{instance!r}: no IPv4 address for {host!r} ({exc})") from exc
+    return f"{address}:{port}"
 
 
 def link_call(decode: str, prefill: str, prefill_transfer_port: int, timeout: float,

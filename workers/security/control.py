@@ -9,6 +9,7 @@ UNAUTHENTICATED (401) and counted in `disagg_auth_failures_total{path}`.
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -43,6 +44,13 @@ class ControlGuard:
         self.allow_anonymous = allow_anonymous
         self._verifier = CredentialVerifier(key) if key is not None else None
         self._on_failure = on_failure
+
+    def refusing_anonymous(self) -> ControlGuard:
+        """The same check, with the same memory of used credentials, that refuses a call with no
+        credential too: for a port open to clients, where an anonymous peer is a stranger."""
+        guard = copy.copy(self)
+        guard.allow_anonymous = False
+        return guard
 
     @property
     def insecure(self) -> bool:
