@@ -55,8 +55,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")  # "auto": bfloat16 on CUDA 
 HTTP_PORT = 8000  # the OpenAI API, /health, /ready, /metrics
 GRPC_PORT = 7777  # DisaggPDService
 TRANSFER_PORT = 26000  # the KV data path
-# /drain, and xLLM's HTTP link routes as well as on the HTTP port; by default the HTTP port's plus the
-# offset, so that workers given distinct HTTP ports on one host get distinct admin ports too.
+# /drain and (as on the HTTP port) xLLM's HTTP link routes; by default the HTTP port + the offset,
+# so that workers given distinct HTTP ports on one host get distinct admin ports too.
 ADMIN_PORT_OFFSET = 100
 ADMIN_PORT = HTTP_PORT + ADMIN_PORT_OFFSET
 # Where a worker reads its client API key (the operator sets it from a Secret); an
