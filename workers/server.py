@@ -164,13 +164,11 @@ def run(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         tracing.shutdown()  # exports the spans still buffered
 
 
-def _link_routes(state: AppState, config: ServerConfig, spec: RoleSpec,
-                 worker: Callable[[], Worker | None]) -> tuple[Callable[[FastAPI], None], Callable[[FastAPI], None]]:
-    """What adds xLLM's HTTP link calls to the admin app and to the client app, where the role
-    takes them (DESIGN.md: the HTTP port accepts them). Both check one memory of used credentials;
-    the client port, open to clients, refuses an anonymous call even with `allow_anonymous_peers`."""
-    if not spec.link_routes:
-        return (lambda app: None), (lambda app: None)
+def _add_link_routes(admin_app: FastAPI, client_app: FastAPI, state: AppState, config: ServerConfig,
+                     worker: Callable[[], Worker | None]) -> None:
+    """xLLM's HTTP link calls on the admin port and on the HTTP port (DESIGN.md: the HTTP port
+    accepts them), behind one memory of used credentials; the HTTP port, open to clients, refuses
+    an anonymous call even with `allow_anonymous_peers`."""
     from disagg.workers.pd.service import add_link_routes
     from disagg.workers.security.control import ControlGuard
 
@@ -179,8 +177,8 @@ def _link_routes(state: AppState, config: ServerConfig, spec: RoleSpec,
         return None if current is None else current.handlers
 
     guard = ControlGuard(config.cluster_key, config.allow_anonymous_peers, state.metrics.count_auth_failure)
-    client_guard = guard.refusing_anonymous()
-    return (lambda app: add_link_routes(app, handlers, guard)), (lambda app: add_link_routes(app, handlers, client_guard))
+    add_link_routes(admin_app, handlers, guard)
+    add_link_routes(client_app, handlers, guard.refusing_anonymous())
 
 
 def _uvicorn(app: FastAPI, host: str, port: int, graceful_shutdown_s: float) -> _UvicornServer:
@@ -201,23 +199,22 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig, spec: 
         log.warning("INSECURE: no cluster key (--insecure): anyone who reaches the gRPC, HTTP and transfer ports "
                     "can link, send requests and read or write KV blocks")
     started: list[Worker] = []  # the worker, once started: the link routes serve it from then on
-    add_admin_links, add_client_links = _link_routes(state, server_config, spec, lambda: started[0] if started else None)
     admin_app = build_admin_app(state)
-    add_admin_links(admin_app)
+    client_app = build_app(state, client_api=spec.serves_completions, api_key=server_config.api_key)
+    if spec.link_routes:
+        _add_link_routes(admin_app, client_app, state, server_config, lambda: started[0] if started else None)
     admin = _uvicorn(admin_app, server_config.host, server_config.admin_port, graceful_shutdown_s=1.0)
     admin_task = asyncio.create_task(admin.serve(), name="admin")
     try:
-        return await _serve_clients(engine_config, server_config, spec, state, started, add_client_links)
+        return await _serve_clients(engine_config, server_config, spec, state, started, client_app)
     finally:
         admin.should_exit = True
         await admin_task
 
 
 async def _serve_clients(engine_config: EngineConfig, server_config: ServerConfig, spec: RoleSpec,
-                         state: AppState, started: list[Worker], add_links: Callable[[FastAPI], None]) -> int:
+                         state: AppState, started: list[Worker], app: FastAPI) -> int:
     metrics = state.metrics
-    app = build_app(state, client_api=spec.serves_completions, api_key=server_config.api_key)
-    add_links(app)
     http = _uvicorn(app, server_config.host, server_config.http_port, server_config.graceful_shutdown_s)
     _install_signal_handlers(http)
     http_task = asyncio.create_task(http.serve(), name="http")

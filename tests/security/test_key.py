@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from disagg.workers.security import key as key_module
+from disagg.workers.security.control import ControlGuard
 from disagg.workers.security.key import AuthError, ClusterKey, CredentialVerifier, new_key_text
 
 METHOD = "/xllm.proto.DisaggPDService/LinkInstance"
@@ -81,8 +82,6 @@ def test_replace_and_bad_text() -> None:
 
 
 def test_the_client_ports_guard_refuses_anonymous_calls_and_remembers_credentials_with_the_admin_guard() -> None:
-    from disagg.workers.security.control import ControlGuard
-
     key = ClusterKey.generate()
     refused: list[str] = []
     admin = ControlGuard(key, allow_anonymous=True, on_failure=refused.append)
