@@ -244,6 +244,10 @@ def test_bad_requests_are_refused_with_clear_errors(make_engine: MakeEngine) -> 
         engine.add_request("a", list(range(3, 19)), GREEDY)
     with pytest.raises(ValueError, match="logit_bias token ids"):
         engine.add_request("a", [5, 6], dataclasses.replace(GREEDY, logit_bias=((10**6, 1.0),)))
+    # A migrated stream's draws made its last prompt tokens: more draws than tokens is a forged count
+    # (skipping 2**31 draws would hold the engine thread for hours).
+    with pytest.raises(ValueError, match="draws_made"):
+        engine.add_request("a", [5, 6], dataclasses.replace(GREEDY, temperature=1.0, seed=1, draws_made=3))
     engine.add_request("a", [5, 6], GREEDY)
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("a", [5, 6], GREEDY)

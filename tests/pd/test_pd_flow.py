@@ -225,6 +225,20 @@ async def test_each_role_serves_only_its_own_rpcs(pd_pair: Callable[..., Any]) -
             gen.outputs[0].finish_reason = "handoff"
             code, _ = await refusal(tokens.Generations(pb.DisaggStreamGenerations(gens=[gen]), timeout=5))
             assert code == grpc.StatusCode.INVALID_ARGUMENT
+            mismatched = pb.DisaggStreamGeneration(req_id="gone", outputs=[pb.SequenceOutput(
+                token_ids=[5, 6], logprobs=[pb.LogProb(log_prob_data=pb.LogProbData(token_id=5, logprob=-1.0))])])
+            code, details = await refusal(tokens.Generations(pb.DisaggStreamGenerations(gens=[mismatched]), timeout=5))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and "1 logprobs for 2 tokens" in details
+            # Token ids outside the vocabulary fail the stream; the client never sees them.
+            stream = pair.prefill.role.relay.open("followed", prompt_of(5), GREEDY)
+            for bad in (-5, 2**31 - 1):
+                gen = pb.DisaggStreamGeneration(req_id="followed", outputs=[pb.SequenceOutput(token_ids=[bad])])
+                answer = await tokens.Generations(pb.DisaggStreamGenerations(gens=[gen]), timeout=5)
+                assert [s.ok for s in answer.all_status] == [False]
+            with pytest.raises(DecodeFailed, match="outside the vocabulary"):
+                async for out in stream.outputs():
+                    assert not out.new_token_ids
+            pair.prefill.role.relay.close("followed")
             # A decode does not serve XllmRpcService at all.
             to_decode = xllm_service_pb2_grpc.XllmRpcServiceStub(decode_channel)
             code, _ = await refusal(to_decode.Generations(pb.DisaggStreamGenerations(gens=[gen]), timeout=5))
@@ -261,3 +275,83 @@ async def test_the_hand_off_does_not_wait_for_the_prefill_engine(pd_pair: Callab
             gate.set()
         assert busy is not None and await busy
         await wait_for(lambda: free_blocks(pair) == (NUM_KV_BLOCKS, NUM_KV_BLOCKS), "every block is free")
+
+
+async def test_callers_that_give_up_leave_no_blocks_held(pd_pair: Callable[..., Any]) -> None:
+    """An AddNewRequests whose deadline runs out while the decode's engine is busy, and a PULL
+    FirstGeneration whose deadline runs out mid-pull: nothing else would ever free their blocks."""
+    async with pd_pair("PULL") as pair:
+        stub, name, decode = pair.stub, pair.prefill_config.instance_name, pair.decode.role
+        req = request_to_proto(NewRequest("late", prompt_of(9), GREEDY, name))
+        busy = asyncio.ensure_future(decode._engine.call(lambda e: threading.Event().wait(1.0)))  # a long step
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.AddNewRequests(pb.DisaggRequests(prefill_name=name, reqs=[req]), timeout=0.3)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        await busy
+        await wait_for(lambda: free_blocks(pair) == (NUM_KV_BLOCKS, NUM_KV_BLOCKS), "the abandoned reservation is freed")
+        answer = await stub.AddNewRequests(pb.DisaggRequests(prefill_name=name, reqs=[req]), timeout=5)
+        assert answer.resps[0].status_code == 200  # the id is free again, too
+
+        session = decode.peers.get(name)
+        real_pull = session.pull
+
+        def slow_pull(src: Any, dst: Any) -> Any:  # a slow network: the bytes arrive after the caller gave up
+            handle = real_pull(src, dst)
+            real_wait = handle.wait
+            handle.wait = lambda timeout: (threading.Event().wait(1.0), real_wait(timeout))
+            return handle
+
+        session.pull = slow_pull
+        first = pb.DisaggGenerationsRequests(multi_gens=[pb.DisaggGenerationsRequest(
+            req_id="late", tokens=[pb.RemoteToken(token_id=5)], kv_cache_transfer_mode="PULL",
+            addrs=[pair.prefill_info.transfer_address], block_ids=list(answer.resps[0].blocks_ids))])
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.FirstGeneration(first, timeout=0.3)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        await wait_for(lambda: free_blocks(pair) == (NUM_KV_BLOCKS, NUM_KV_BLOCKS) and not decode._incoming,
+                       "the request whose pull was abandoned is freed")
+        session.pull = real_pull
+        assert len(await collect(pair, "after", prompt_of(7))) == GREEDY.max_tokens
+
+
+async def test_first_generation_takes_each_request_on_its_own(pd_pair: Callable[..., Any]) -> None:
+    """One unknown request among several neither stops the others nor strands their blocks."""
+    async with pd_pair() as pair:
+        stub, name, decode = pair.stub, pair.prefill_config.instance_name, pair.decode.role
+        reqs = [request_to_proto(NewRequest(f"m{i}", prompt_of(9, i), GREEDY, name)) for i in range(2)]
+        answer = await stub.AddNewRequests(pb.DisaggRequests(prefill_name=name, reqs=reqs), timeout=5)
+        assert [r.status_code for r in answer.resps] == [200, 200]
+        # Streams the prefill does not follow: the decode ends each at its first Generations answer.
+        first = pb.DisaggGenerationsRequests(multi_gens=[
+            pb.DisaggGenerationsRequest(req_id=req_id, tokens=[pb.RemoteToken(token_id=5)],
+                                        kv_cache_transfer_mode="PUSH") for req_id in ("m0", "nope", "m1")])
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.FirstGeneration(first, timeout=5)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND and "nope" in (err.value.details() or "")
+        assert "m1" not in decode._incoming or decode._incoming["m1"].started  # taken, not left to the sweep
+        await wait_for(lambda: free_blocks(pair) == (NUM_KV_BLOCKS, NUM_KV_BLOCKS) and not decode._incoming,
+                       "both requests ran and freed their blocks")
+
+
+async def test_unlink_needs_only_the_instance_name(pd_pair: Callable[..., Any]) -> None:
+    async with pd_pair() as pair:
+        name_only = pb.InstanceClusterInfo(instance_name=pair.prefill_config.instance_name)
+        assert (await pair.stub.UnlinkInstance(name_only, timeout=5)).ok
+        assert not pair.decode.role.peers.is_live(pair.prefill_config.instance_name)
+        assert (await pair.stub.UnlinkInstance(pb.InstanceClusterInfo(instance_name="10.9.9.9:1"), timeout=5)).ok
+        with pytest.raises(grpc.aio.AioRpcError) as err:  # a link still needs the transfer endpoint
+            await pair.stub.LinkInstance(name_only, timeout=5)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_a_handed_off_request_counts_as_ok_on_the_decode(pd_pair: Callable[..., Any]) -> None:
+    async with pd_pair() as pair:
+        assert len(await collect(pair, "counted", prompt_of(9))) == GREEDY.max_tokens
+
+        def outcomes(worker: Any) -> dict[str, float | None]:
+            registry, role = worker.role._metrics.registry, worker.role._metrics.role
+            return {status: registry.get_sample_value("disagg_requests_total", {"role": role, "status": status})
+                    for status in ("ok", "aborted")}
+
+        await wait_for(lambda: outcomes(pair.decode)["ok"] == 1.0, "the decode counts its request ok")
+        assert not outcomes(pair.decode)["aborted"]

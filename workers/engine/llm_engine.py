@@ -119,6 +119,8 @@ class LLMEngine:
                 f"the prompt has {len(prompt_token_ids)} tokens; this model's context holds "
                 f"{self.max_model_len}, including at least one generated token"
             )
+        if params.draws_made > len(prompt_token_ids):  # each draw made a token that now ends the prompt
+            raise ValueError(f"draws_made ({params.draws_made}) exceeds the prompt's {len(prompt_token_ids)} tokens")
         bad = [t for t, _ in params.logit_bias if t >= vocab]
         if bad:
             raise ValueError(f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {vocab})")

@@ -234,7 +234,7 @@ def output_to_proto(out: RequestOutput) -> pb.DisaggStreamGeneration:
 
 
 def output_from_proto(gen: pb.DisaggStreamGeneration) -> RequestOutput:
-    """ValueError for an unknown finish reason."""
+    """ValueError for an unknown finish reason, or logprobs that do not match the tokens one for one."""
     token_ids: list[int] = []
     logprobs: list[TokenLogprob] = []
     finish_reason: FinishReason | None = None
@@ -248,6 +248,8 @@ def output_from_proto(gen: pb.DisaggStreamGeneration) -> RequestOutput:
                 finish_reason = FinishReason(seq.finish_reason)
             except ValueError:
                 raise ValueError(f"request {gen.req_id}: unknown finish_reason {seq.finish_reason!r}") from None
+    if logprobs and len(logprobs) != len(token_ids):
+        raise ValueError(f"request {gen.req_id}: {len(logprobs)} logprobs for {len(token_ids)} tokens")
     if gen.gen_status.status_code not in (0, 200):
         finish_reason = FinishReason.ABORT
     return RequestOutput(

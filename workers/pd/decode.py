@@ -145,9 +145,9 @@ class DecodeRole(EngineHealth["AsyncEngine[LLMEngine]"]):
         self._clients.renew(session.peer.grpc_address)
         self.peers.add(info.name, session)
 
-    async def unlink(self, info: InstanceInfo) -> None:
+    async def unlink(self, name: str) -> None:
         """Drop that prefill's requests (freeing their blocks) and close the data path. Idempotent."""
-        await self.peers.remove(info.name, "unlinked")
+        await self.peers.remove(name, "unlinked")
 
     async def _on_prefill_lost(self, name: str, reason: str) -> None:
         for req_id in [r for r, inc in self._incoming.items() if inc.prefill == name]:
@@ -175,8 +175,14 @@ class DecodeRole(EngineHealth["AsyncEngine[LLMEngine]"]):
             blocks = e.reserve_request(req.req_id, req.prompt_token_ids, req.params, reuse_prefix)
             return blocks, e.reserved_prefix_blocks(req.req_id)
 
+        reservation = asyncio.ensure_future(self._engine.call(reserve))
         try:
-            blocks, num_cached = await self._engine.call(reserve)
+            blocks, num_cached = await asyncio.shield(reservation)
+        except asyncio.CancelledError:
+            # The caller gave up (its deadline) while the engine was busy: the engine still runs the
+            # reservation, and nobody would ever free it. Free it behind the call, if it reserved.
+            reservation.add_done_callback(lambda done: self._release_abandoned(req.req_id, done))
+            raise
         except PromptTooLarge:
             return Reservation(req.req_id, Admission.TOO_LARGE, [])
         except OutOfBlocks:
@@ -189,6 +195,10 @@ class DecodeRole(EngineHealth["AsyncEngine[LLMEngine]"]):
         # Its pushes, until FirstGeneration: into the fresh blocks only, never the shared cached ones.
         self._transport.access.allow(prefill, req.req_id, blocks[num_cached:], Access.WRITE)
         return Reservation(req.req_id, Admission.OK, blocks, num_cached)
+
+    def _release_abandoned(self, req_id: str, reservation: asyncio.Future[tuple[list[int], int]]) -> None:
+        if not reservation.cancelled() and reservation.exception() is None:
+            self._engine.abort(req_id)
 
     async def first_generation(self, first: FirstToken) -> None:
         """Take in the KV (PULL) and start generating; on any failure the request is freed."""
@@ -211,8 +221,9 @@ class DecodeRole(EngineHealth["AsyncEngine[LLMEngine]"]):
                                inc.trace_context)
             self._metrics.kv_transfer_skipped_blocks.inc(inc.num_cached)
             inc.task = asyncio.create_task(self._stream(inc, first), name=f"decode-{first.req_id}")
-        except PDError as exc:
-            await self._drop(first.req_id, str(exc))
+        except (PDError, asyncio.CancelledError) as exc:
+            # Cancelled: the caller's deadline ran out mid-pull; nobody else would free the request.
+            await self._drop(first.req_id, str(exc) or "its FirstGeneration was cancelled")
             raise
 
     async def refuse_first(self, req_id: str, reason: str) -> None:
@@ -235,8 +246,12 @@ class DecodeRole(EngineHealth["AsyncEngine[LLMEngine]"]):
             handle = session.pull(list(first.prefill_block_ids[skip:]), inc.block_ids[skip:])
         except ValueError as exc:
             raise InvalidMessage(f"request {inc.req.req_id}: {exc}") from exc
+        pulling = asyncio.ensure_future(asyncio.to_thread(handle.wait, self._config.transfer_timeout_s))
         try:
-            await asyncio.to_thread(handle.wait, self._config.transfer_timeout_s)
+            await asyncio.shield(pulling)
+        except asyncio.CancelledError:
+            await asyncio.wait([pulling])  # the blocks are freed next: not while the pull still writes them
+            raise
         except TransferTimeout as exc:
             raise PeerTimeout(f"pulling the KV of {inc.req.req_id}: {exc}") from exc
         except TransferError as exc:
@@ -263,11 +278,11 @@ class DecodeRole(EngineHealth["AsyncEngine[LLMEngine]"]):
                     with tracing.span("Generations", _relay_attributes(inc, out), SpanKind.CLIENT,
                                       tracing.context_of(phase)):
                         [tracked] = await self._clients.generations(inc.req.source_addr, [out])
+                    if out.finished:  # the prefill tracks it no more either way: it ended
+                        status = RequestOutcome.ABORTED if out.finish_reason is FinishReason.ABORT else RequestOutcome.OK
+                        break
                     if not tracked:
                         status = RequestOutcome.ABORTED
-                        break
-                    if out.finished:
-                        status = RequestOutcome.ABORTED if out.finish_reason is FinishReason.ABORT else RequestOutcome.OK
                         break
         except PDError as exc:
             log.warning("streaming %s to %s failed: %s", req_id, inc.req.source_addr, exc)

@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 from opentelemetry.trace import Span
 from opentelemetry.util.types import AttributeValue
 
-from disagg.proto.vocabulary import InstanceInfo
 from disagg.workers import tracing
 from disagg.workers.engine.async_engine import AsyncEngine, EngineStats
 from disagg.workers.engine.llm_engine import LLMEngine
@@ -111,7 +110,7 @@ class PrefillRole(EngineHealth["AsyncEngine[LLMEngine]"]):
         self._transfer_address = transfer_address  # where decodes pull from (PULL)
         self._mode = mode
         self.router = DecodeRouter(clients, metrics, config, instance_name, self._on_decode_lost)
-        self.relay = TokenRelay(engine)
+        self.relay = TokenRelay(engine, model.vocab_size)
         self.pusher = KVPusher(metrics, config.transfer_timeout_s)
         self.liveness = LivenessWatch(self.router.peers, self.router.address, clients, self.relay, config)
         self.costs = CostModel(policy, engine.block_bytes / engine.block_size)
@@ -152,9 +151,9 @@ class PrefillRole(EngineHealth["AsyncEngine[LLMEngine]"]):
         super().close()
         self._transport.close()
 
-    async def unlink(self, info: InstanceInfo) -> None:
+    async def unlink(self, name: str) -> None:
         """Stop routing to that decode and fail its in-flight requests. Idempotent."""
-        await self.router.peers.remove(info.name, "unlinked")
+        await self.router.peers.remove(name, "unlinked")
 
     async def _on_decode_lost(self, name: str, reason: str) -> None:
         self.relay.fail_decode(name, "lost", reason)

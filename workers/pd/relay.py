@@ -63,8 +63,9 @@ def fail_stream(stream: Stream, kind: str, message: str) -> None:
 
 
 class TokenRelay:
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncEngine, vocab_size: int) -> None:
         self._engine = engine
+        self._vocab_size = vocab_size
         self._streams: dict[str, Stream] = {}  # by client id
         self._by_wire: dict[str, Stream] = {}
         self.on_failure: FailureHook = fail_stream
@@ -132,6 +133,11 @@ class TokenRelay:
             return False
         if out.finished and out.finish_reason is FinishReason.ABORT:
             self.on_failure(stream, "aborted", f"the decode instance {stream.decode} aborted request {out.request_id}")
+            return False
+        bad = [t for t in out.new_token_ids if not 0 <= t < self._vocab_size]
+        if bad:  # a broken decode: its stream fails over as an aborted one would, the client never sees them
+            self.on_failure(stream, "aborted", f"the decode instance {stream.decode} sent token ids {bad[:5]} outside "
+                                               f"the vocabulary [0, {self._vocab_size})")
             return False
         delta = self._forward(stream, out, out.finish_reason if out.finished else None)
         return not delta.finished

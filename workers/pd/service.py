@@ -75,6 +75,7 @@ class Intake(Protocol):
 
 
 LinkHandler = Callable[[InstanceInfo], Awaitable[None]]
+UnlinkHandler = Callable[[str], Awaitable[None]]  # by instance name: an unlink needs nothing else
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ class Handlers:
     """What one role serves over gRPC; None for what it lacks."""
 
     role: str  # named in the refusal of a method the role lacks
-    unlink: LinkHandler
+    unlink: UnlinkHandler
     link: LinkHandler | None = None  # links are made on the decode
     intake: Intake | None = None  # AddNewRequests and FirstGeneration (a decode)
     generations: Callable[[list[RequestOutput]], Awaitable[list[bool]]] | None = None  # a prefill
@@ -152,13 +153,14 @@ class DisaggPDServicer(disagg_pd_pb2_grpc.DisaggPDServiceServicer):
         if not request.multi_gens:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "multi_gens is empty")
         with tracing.server_call(convert.PD_SERVICE, "FirstGeneration", context.invocation_metadata()):
-            for msg in request.multi_gens:
+            refusals: list[errors.PDError] = []
+            for msg in request.multi_gens:  # each on its own: a bad one neither stops nor strands the rest
                 try:
-                    first = convert.first_token_from_proto(msg)
-                except ValueError as exc:
-                    await _answer(context, lambda: intake.refuse_first(msg.req_id, str(exc)))
-                    continue
-                await _answer(context, lambda: intake.first_generation(first))
+                    await _start_first(intake, msg)
+                except errors.PDError as exc:
+                    refusals.append(exc)
+        if refusals:  # the first one's code; every reason, so the caller knows which requests run
+            await context.abort(status_code(refusals[0]), "; ".join(str(exc) for exc in refusals))
         return common_pb2.Status(ok=True)
 
     async def MultiGenerations(self, request: pb.DisaggGenerationsRequests,
@@ -173,14 +175,12 @@ class DisaggPDServicer(disagg_pd_pb2_grpc.DisaggPDServiceServicer):
         raise AssertionError("context.abort raises")
 
     async def LinkInstance(self, request: pb.InstanceClusterInfo, context: grpc.aio.ServicerContext) -> common_pb2.Status:
-        info = await _answer(context, lambda: _parse_info(request))
-        await _answer(context, lambda: _link(self._handlers, info, True))
+        await _answer(context, lambda: _link(self._handlers, request, True))
         return common_pb2.Status(ok=True)
 
     async def UnlinkInstance(self, request: pb.InstanceClusterInfo,
                              context: grpc.aio.ServicerContext) -> common_pb2.Status:
-        info = await _answer(context, lambda: _parse_info(request))
-        await _answer(context, lambda: _link(self._handlers, info, False))
+        await _answer(context, lambda: _link(self._handlers, request, False))
         return common_pb2.Status(ok=True)
 
 
@@ -203,8 +203,23 @@ class XllmRpcServicer(xllm_service_pb2_grpc.XllmRpcServiceServicer):
         return pb.StatusSet(all_status=[common_pb2.Status(ok=ok) for ok in tracked])
 
 
-async def _link(handlers: Handlers, info: InstanceInfo, link: bool) -> None:
-    await (handlers.require_link()(info) if link else handlers.unlink(info))
+async def _link(handlers: Handlers, msg: pb.InstanceClusterInfo, link: bool) -> None:
+    """LinkInstance needs the peer's transfer endpoint; UnlinkInstance only its name."""
+    if link:
+        await handlers.require_link()(_instance_info(msg))
+    elif not msg.instance_name:
+        raise errors.InvalidMessage("bad InstanceClusterInfo: instance_name is empty")
+    else:
+        await handlers.unlink(msg.instance_name)
+
+
+async def _start_first(intake: Intake, msg: pb.DisaggGenerationsRequest) -> None:
+    try:
+        first = convert.first_token_from_proto(msg)
+    except ValueError as exc:
+        await intake.refuse_first(msg.req_id, str(exc))
+    else:
+        await intake.first_generation(first)
 
 
 async def _parse_outputs(msg: pb.DisaggStreamGenerations) -> list[RequestOutput]:
@@ -214,7 +229,7 @@ async def _parse_outputs(msg: pb.DisaggStreamGenerations) -> list[RequestOutput]
         raise errors.InvalidMessage(str(exc)) from exc
 
 
-async def _parse_info(msg: pb.InstanceClusterInfo) -> InstanceInfo:
+def _instance_info(msg: pb.InstanceClusterInfo) -> InstanceInfo:
     try:
         return InstanceInfo.from_proto(msg)
     except ValueError as exc:
@@ -259,11 +274,10 @@ def add_link_routes(app: FastAPI, role: Callable[[], Handlers | None], guard: Co
             return _http_error(grpc.StatusCode.UNAVAILABLE, "the worker is still loading its model")
         try:
             msg = json_format.Parse(await request.body(), pb.InstanceClusterInfo())
-            info = InstanceInfo.from_proto(msg)
         except (json_format.ParseError, ValueError) as exc:
             return _http_error(grpc.StatusCode.INVALID_ARGUMENT, f"bad InstanceClusterInfo: {exc}")
         try:
-            await _link(current, info, link)
+            await _link(current, msg, link)
         except errors.PDError as exc:
             return _http_error(status_code(exc), str(exc))
         return JSONResponse({"ok": True})
