@@ -355,3 +355,13 @@ async def test_a_handed_off_request_counts_as_ok_on_the_decode(pd_pair: Callable
 
         await wait_for(lambda: outcomes(pair.decode)["ok"] == 1.0, "the decode counts its request ok")
         assert not outcomes(pair.decode)["aborted"]
+
+
+async def test_a_decode_whose_engine_stopped_answers_unavailable(pd_pair: Callable[..., Any]) -> None:
+    async with pd_pair() as pair:
+        name = pair.prefill_config.instance_name
+        assert pair.decode.role._engine.shutdown()
+        req = request_to_proto(NewRequest("late", prompt_of(9), GREEDY, name))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await pair.stub.AddNewRequests(pb.DisaggRequests(prefill_name=name, reqs=[req]), timeout=5)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "not running" in (err.value.details() or "")

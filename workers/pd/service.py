@@ -26,6 +26,7 @@ from google.protobuf import json_format
 from disagg.proto import common_pb2, disagg_pd_pb2 as pb, disagg_pd_pb2_grpc, xllm_service_pb2_grpc
 from disagg.proto.vocabulary import InstanceInfo
 from disagg.workers import tracing
+from disagg.workers.engine.async_engine import EngineError
 from disagg.workers.engine.outputs import RequestOutput
 from disagg.workers.pd import convert, errors
 from disagg.workers.pd.messages import Admission, FirstToken, NewRequest, Reservation
@@ -113,6 +114,9 @@ async def _answer(context: grpc.aio.ServicerContext, call: Callable[[], Awaitabl
         return await call()
     except errors.PDError as exc:
         await context.abort(status_code(exc), str(exc))
+        raise AssertionError("context.abort raises") from exc
+    except EngineError as exc:  # the engine is stopped or stuck: another instance may serve
+        await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         raise AssertionError("context.abort raises") from exc
 
 
