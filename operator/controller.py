@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
+import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -55,7 +56,7 @@ from disagg.operator.roles import (
 )
 from disagg.operator.scaler import Scaler
 from disagg.operator.snapshot import ClusterSnapshot, take_snapshot
-from disagg.operator.spec import ROLES, ClusterSpec, parse_spec
+from disagg.operator.spec import DNS_LABEL, MAX_CLUSTER_NAME, ROLES, ClusterSpec, parse_spec
 from disagg.operator.status import build_status, invalid_spec_status, status_changed
 from disagg.workers.security.key import ClusterKey
 from disagg.workers.security.tls import CA_FILE, CERT_FILE, KEY_FILE, channel_credentials
@@ -131,8 +132,10 @@ class ClusterController:
     async def reconcile(self, body: kopf.Body, views: Iterable[PodView]) -> float:
         """One pass; returns how long until the next one is due."""
         spec = parse_spec(body.get("spec") or {})
-        if len(self.name) > m.MAX_CLUSTER_NAME:
-            raise kopf.PermanentError(f"the name must be at most {m.MAX_CLUSTER_NAME} characters (it names the Service)")
+        if len(self.name) > MAX_CLUSTER_NAME or not re.search(DNS_LABEL, self.name):
+            # Refused at apply by the CRD installed with this operator; an older one let it in.
+            raise kopf.PermanentError(f"the name must be a DNS-1035 label ({DNS_LABEL}) of at most {MAX_CLUSTER_NAME} "
+                                      "characters: it names the Service")
         generation = int(body["metadata"].get("generation") or 0)
         if self.service_generation != generation:
             await self.deps.kube.apply_service(self.namespace, m.prefill_service(body, spec))
@@ -186,10 +189,12 @@ class ClusterController:
         return resync if due is None else max(0.05, min(resync, due - time.monotonic()))
 
     async def report_invalid_spec(self, body: kopf.Body, message: str) -> None:
-        """The spec cannot be acted on (what the schema cannot refuse): say so in the status; the
-        caller posts the Event. Nothing else changes until the spec does."""
+        """The spec cannot be acted on (what the schema cannot refuse): say so in the status and in
+        one Event per generation and reason, not one per pass. Nothing else changes until the spec does."""
         previous = body.get("status") or {}
-        status = invalid_spec_status(previous, int(body["metadata"].get("generation") or 0), message, _now_iso())
+        generation = int(body["metadata"].get("generation") or 0)
+        self._event(body, "Warning", "InvalidSpec", message, key=("InvalidSpec", str(generation), message))
+        status = invalid_spec_status(previous, generation, message, _now_iso())
         if status_changed(status, previous):
             await self.deps.kube.patch_status(self.namespace, self.name, status)
 

@@ -30,6 +30,9 @@ ROLE_PLURAL = "disaggroles"
 ROLE_SHORT_NAME = "dr"
 
 Schema = dict[str, Any]
+# A resource quantity ("500m", "2Gi", "1e3"), as the API server's own schemas give it.
+QUANTITY = r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+MAX_NAME_LENGTH = 253  # of a DNS subdomain, and of a Secret's key
 
 
 def _str(description: str, **extra: Any) -> Schema:
@@ -40,12 +43,38 @@ def _obj(description: str, properties: dict[str, Schema], **extra: Any) -> Schem
     return {"type": "object", "description": description, "properties": properties, **extra}
 
 
-def _opaque(description: str, kind: str = "object") -> Schema:
-    """A Kubernetes-shaped field (resources, affinity, ...) that the API server validates on the pod."""
-    if kind == "array":
-        return {"type": "array", "description": description,
-                "items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}}
+def _opaque(description: str) -> Schema:
+    """A Kubernetes-shaped field (affinity) that the API server validates on the pod."""
     return {"type": "object", "description": description, "x-kubernetes-preserve-unknown-fields": True}
+
+
+def _resources() -> Schema:
+    """A container's resources, typed as the pod's API types them: a bad quantity or a misspelt
+    key is refused at apply, not by every pod creation after it."""
+    quantities = {"type": "object", "additionalProperties": {
+        "anyOf": [{"type": "integer"}, {"type": "string"}], "x-kubernetes-int-or-string": True,
+        "pattern": QUANTITY}}
+    claim = _obj("A resource claim the container uses.", {"name": _str("The claim's name.", minLength=1),
+                                                           "request": _str("One request of the claim.")},
+                 required=["name"])
+    return _obj("Container resources (requests and limits), as in a pod.", {
+        "limits": quantities | {"description": "Most of each resource the container may use."},
+        "requests": quantities | {"description": "What the container is scheduled with."},
+        "claims": {"type": "array", "items": claim, "description": "Dynamic resource claims."},
+    })
+
+
+def _tolerations() -> Schema:
+    toleration = _obj("A taint the pods tolerate.", {
+        "key": _str("The taint key; empty with Exists: every taint."),
+        "operator": _str("Equal (the default) or Exists.", enum=["", "Equal", "Exists"]),
+        "value": _str("The taint value, with Equal."),
+        "effect": _str("The taint effect to match; empty: every effect.",
+                       enum=["", "NoSchedule", "PreferNoSchedule", "NoExecute"]),
+        "tolerationSeconds": {"type": "integer", "format": "int64",
+                              "description": "With NoExecute: how long the pod stays bound after the taint."},
+    })
+    return {"type": "array", "description": "Pod tolerations.", "items": toleration}
 
 
 def _field(f: s.Field, role: str = "") -> Schema:
@@ -59,6 +88,8 @@ def _field(f: s.Field, role: str = "") -> Schema:
         node["enum"] = list(f.choices)
     if f.nonblank:
         node["pattern"] = r"\S"  # something other than spaces
+    if f.pattern is not None:
+        node["pattern"], node["maxLength"] = f.pattern, MAX_NAME_LENGTH
     if f.default is not None:
         node["default"] = f.default
     return node
@@ -86,13 +117,13 @@ def _role(role: str) -> Schema:
         f"The {role} worker pods.",
         "role",
         role,
-        resources=_opaque("Container resources (requests and limits), as in a pod."),
+        resources=_resources(),
         nodeSelector={
             "type": "object",
             "description": "Node labels the pods must match.",
             "additionalProperties": {"type": "string"},
         },
-        tolerations=_opaque("Pod tolerations.", "array"),
+        tolerations=_tolerations(),
         affinity=_opaque("Pod affinity and anti-affinity."),
         env={"type": "array", "description": "Extra environment variables of the worker container.", "items": env_item},
         args={"type": "array", "description": "Extra `disagg serve` arguments.", "items": {"type": "string"}},
@@ -182,8 +213,10 @@ def printer_columns() -> list[Schema]:
 
 
 def _definition(kind: str, plural: str, short_name: str, subresources: Schema, columns: list[Schema],
-                description: str, spec: Schema, status: Schema) -> Schema:
-    """A namespaced CustomResourceDefinition object (apiextensions.k8s.io/v1) of one version."""
+                description: str, spec: Schema, status: Schema, name: Schema | None = None) -> Schema:
+    """A namespaced CustomResourceDefinition object (apiextensions.k8s.io/v1) of one version;
+    `name`: what the objects' names must be, beyond the API server's own rule."""
+    metadata: Schema = {"type": "object"} | ({"properties": {"name": name}} if name else {})
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
@@ -202,7 +235,7 @@ def _definition(kind: str, plural: str, short_name: str, subresources: Schema, c
                 "schema": {"openAPIV3Schema": _obj(
                     description,
                     {"apiVersion": {"type": "string"}, "kind": {"type": "string"},
-                     "metadata": {"type": "object"}, "spec": spec, "status": status},
+                     "metadata": metadata, "spec": spec, "status": status},
                     required=["spec"],
                 )},
             }],
@@ -212,8 +245,10 @@ def _definition(kind: str, plural: str, short_name: str, subresources: Schema, c
 
 def crd() -> Schema:
     """The DisaggCluster CustomResourceDefinition."""
+    # The name becomes the Service's (a DNS-1035 label) and prefixes the pods' names.
+    name = {"type": "string", "pattern": s.DNS_LABEL, "maxLength": s.MAX_CLUSTER_NAME}
     return _definition(KIND, PLURAL, SHORT_NAME, {"status": {}}, printer_columns(),
-                       "A prefill/decode disaggregated LLM serving cluster.", spec_schema(), status_schema())
+                       "A prefill/decode disaggregated LLM serving cluster.", spec_schema(), status_schema(), name)
 
 
 def role_crd() -> Schema:

@@ -9,6 +9,7 @@ cluster, so a pass reads no API list.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from typing import Any
 
@@ -124,6 +125,19 @@ def member_changed(namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, 
         controller.wake()
 
 
+# The API server's answers to an object it will never take as it is (Bad Request, Unprocessable).
+_REFUSED_AS_INVALID = (400, 422)
+
+
+def _refusal(e: ApiException) -> str:
+    """The API server's reason, from its Status body when it sent one."""
+    try:
+        message = json.loads(e.body or "")["message"]
+    except (TypeError, ValueError, KeyError):
+        message = f"{e.status} {e.reason}"
+    return f"the API server refused an object made from this spec: {message}"
+
+
 def _namespace_terminating(e: ApiException) -> bool:
     """The API server's refusal to create anything in a namespace being deleted."""
     return e.status == 403 and "NamespaceTerminating" in str(e.body or "")
@@ -155,10 +169,13 @@ async def reconcile(name: str, namespace: str | None, body: kopf.Body, memo: kop
                 delay = await controller.reconcile(body, pods.get((namespace, name), []))
             except kopf.PermanentError as e:
                 metrics.reconcile_errors.labels("reconcile").inc()
-                kopf.warn(body, reason="InvalidSpec", message=str(e))
                 await controller.report_invalid_spec(body, str(e))
             except ApiException as e:
-                if not _namespace_terminating(e):
+                if e.status in _REFUSED_AS_INVALID:  # an object made from the spec: the spec must change
+                    metrics.reconcile_errors.labels("reconcile").inc()
+                    logger.warning("reconcile of %s/%s: %s", namespace, name, _refusal(e))
+                    await controller.report_invalid_spec(body, _refusal(e))
+                elif not _namespace_terminating(e):
                     metrics.reconcile_errors.labels("reconcile").inc()
                     logger.exception("reconcile of %s/%s failed: %s", namespace, name, e)
                 # else: the cluster goes with its namespace; nothing can be made there any more

@@ -88,7 +88,10 @@ class KubeApi:
         if same:
             return False
         patch = {"metadata": {"labels": body["metadata"]["labels"]}, "spec": spec}
-        await self._call(True, self.core.patch_namespaced_service, name, namespace, patch, _preload_content=False)
+        # A merge patch replaces `ports`; a strategic one merges them by port, so a changed port would
+        # sit beside the old one under the same name, which the API server refuses.
+        await self._call(True, self.core.patch_namespaced_service, name, namespace, patch, _preload_content=False,
+                         _content_type="application/merge-patch+json")
         return True
 
     async def read_secret(self, namespace: str, name: str) -> tuple[dict[str, bytes], dict[str, str]] | None:

@@ -42,9 +42,6 @@ KEY_FILE_MODE = 0o440  # owner root, group the pod's fsGroup (the chart sets one
 ROTATION_ANNOTATION = f"{GROUP}/key-rotation"  # the step of a rotation in progress ("accept" or "sign")
 TLS_MOUNT_DIR = "/etc/disagg/tls"  # spec.security.tlsSecretName's Secret (workers/security/tls.py)
 TLS_VOLUME = "tls"
-# A cluster name becomes the Service name (a DNS-1035 label: at most 63
-# characters) and prefixes pod names; room is left for "-prefill-xxxxx".
-MAX_CLUSTER_NAME = 47
 
 
 def labels(cluster: str, role: str, spec: ClusterSpec) -> dict[str, str]:

@@ -206,12 +206,14 @@ def _int(lo: int, hi: int, default: int | None = None, description: str = "") ->
 
 def scaling_schema() -> dict[str, Any]:
     """The OpenAPI v3 schema of `spec.scaling`, for the CRD's `spec.properties.scaling`."""
-    ratio_field = {"type": "string", "pattern": RATIO_PATTERN,
+    ratio_field = {"type": "string", "pattern": RATIO_PATTERN, "maxLength": 8,  # bounds the CEL rule's cost
                    "description": "Prefill pods per decode pod, a decimal string with at most 3 decimals."}
 
     def role(role_name: Role, capacity_doc: str) -> dict[str, Any]:
         return {
             "type": "object", "required": ["minReplicas", "maxReplicas"],
+            "x-kubernetes-validations": [{"rule": "self.minReplicas <= self.maxReplicas",
+                                          "message": "minReplicas must not be above maxReplicas"}],
             "properties": {
                 "minReplicas": _int(1, MAX_REPLICAS, description="Never fewer pods (at least 1)."),
                 "maxReplicas": _int(1, MAX_REPLICAS, description="Never more pods."),
@@ -226,6 +228,9 @@ def scaling_schema() -> dict[str, Any]:
         "properties": {
             "ratio": {
                 "type": "object", "required": ["minPrefillPerDecode", "maxPrefillPerDecode"],
+                "x-kubernetes-validations": [{
+                    "rule": "double(self.minPrefillPerDecode) <= double(self.maxPrefillPerDecode)",
+                    "message": "minPrefillPerDecode must not be above maxPrefillPerDecode"}],
                 "properties": {"minPrefillPerDecode": ratio_field, "maxPrefillPerDecode": ratio_field},
             },
             "autoscaler": {

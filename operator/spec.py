@@ -12,6 +12,7 @@ invalid spec cannot help.
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -52,6 +53,15 @@ DEFAULT_DRAIN_TIMEOUT_S = 60
 MAX_REPLICAS = 256
 MAX_DRAIN_TIMEOUT_S = 3600
 
+# The forms Kubernetes requires of names and Secret keys: refused at apply, not by the API server
+# refusing the pods made from them later.
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+DNS_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"  # a Service's name (DNS-1035)
+# A cluster's name: the Service's (a DNS-1035 label, at most 63 characters) and the prefix of its
+# pods' names, with room left for "-prefill-xxxxx". The CRD refuses any other at apply.
+MAX_CLUSTER_NAME = 47
+SECRET_KEY = r"^[-._a-zA-Z0-9]+$"
+
 
 @dataclass(frozen=True)
 class Field:
@@ -69,6 +79,7 @@ class Field:
     flag: str | None = None  # the `disagg serve` flag it becomes; an unset (or false) field passes none
     required: bool = False
     nonblank: bool = False  # a string with something other than spaces
+    pattern: str | None = None  # a string's form (an OpenAPI pattern: anchored here), what the pod's API checks
 
 
 FIELDS: tuple[Field, ...] = (
@@ -83,7 +94,8 @@ FIELDS: tuple[Field, ...] = (
     Field("role", "scaling", "scaling", str, STATIC,
           "Who sets the number of {role} pods: static (spec.{role}.replicas) or external (the spec.replicas of the "
           "DisaggRole <cluster>-{role}, through its /scale: HPA, KEDA, kubectl scale).", choices=SCALING_MODES),
-    Field("role", "priorityClassName", "priority_class_name", str, None, "Pod priority class."),
+    Field("role", "priorityClassName", "priority_class_name", str, None, "Pod priority class.",
+          pattern=DNS_SUBDOMAIN),
     Field("kvTransfer", "mode", "mode", str, TransferMode.PUSH.value,
           "PUSH: the prefill writes each layer as it computes; PULL: the decode reads.",
           choices=TRANSFER_MODES, flag="--kv-transfer-mode"),
@@ -125,12 +137,12 @@ FIELDS: tuple[Field, ...] = (
           flag="--allow-anonymous-peers"),
     Field("security", "tlsSecretName", "tls_secret_name", str, None,
           "A Secret in cert-manager's layout (tls.crt, tls.key, ca.crt) whose certificate names `disagg-worker`: "
-          "mutual TLS on the workers' gRPC and TCP KV transfer.", nonblank=True),
+          "mutual TLS on the workers' gRPC and TCP KV transfer.", pattern=DNS_SUBDOMAIN),
     Field("security", "apiKeySecretName", "api_key_secret_name", str, None,
           "A Secret in the cluster's namespace holding the client API key: the prefill pods then answer "
-          "/v1 only with `Authorization: Bearer <key>`.", nonblank=True),
+          "/v1 only with `Authorization: Bearer <key>`.", pattern=DNS_SUBDOMAIN),
     Field("security", "apiKeySecretKey", "api_key_secret_key", str, "key", "The item of that Secret holding the key.",
-          nonblank=True),
+          pattern=SECRET_KEY),
 )
 
 
@@ -247,6 +259,8 @@ def _value(d: Mapping[str, Any], f: Field, where: str) -> Any:
         raise kopf.PermanentError(f"{where}.{f.name} must be one of {list(f.choices)}, got {value!r}")
     if f.nonblank and not value.strip():
         raise kopf.PermanentError(f"{where}.{f.name} must not be blank")
+    if f.pattern is not None and not re.search(f.pattern, value):
+        raise kopf.PermanentError(f"{where}.{f.name} must match {f.pattern}, got {value!r}")
     return value
 
 

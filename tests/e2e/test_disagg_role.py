@@ -160,10 +160,10 @@ def test_the_builtin_autoscaler_scales_on_real_load_and_back_through_drain(
 def test_a_scaling_spec_the_schema_cannot_refuse_is_reported_not_crash_looped(
         operator: OperatorProcess, custom: client.CustomObjectsApi, kubectl: Kubectl, namespace: str,
         tiny_model: Path) -> None:
-    """min above max passes the schema: the operator says so (condition and Event) and acts on
-    nothing, keeps running, and takes the fixed spec."""
+    """A ratio band no counts within the autoscaler's bounds satisfy passes the schema: the operator
+    says so (condition and one Event) and acts on nothing, keeps running, and takes the fixed spec."""
     body = _autoscaled(tiny_model)
-    body["spec"]["scaling"]["autoscaler"]["decode"] = {"minReplicas": 3, "maxReplicas": 2}
+    body["spec"]["scaling"]["ratio"] = {"minPrefillPerDecode": "3", "maxPrefillPerDecode": "4"}
     custom.create_namespaced_custom_object(crd.GROUP, crd.VERSION, namespace, crd.PLURAL, body, _request_timeout=10)
 
     def invalid() -> dict[str, Any] | None:
@@ -171,12 +171,12 @@ def test_a_scaling_spec_the_schema_cannot_refuse_is_reported_not_crash_looped(
         return next((c for c in conditions if c["type"] == "SpecValid" and c["status"] == "False"), None)
 
     condition = wait_until(invalid, WAIT_S, "the SpecValid condition")
-    assert "spec.scaling.autoscaler.decode.minReplicas (3) is above" in condition["message"], condition
-    assert "InvalidSpec" in event_reasons(kubectl, namespace)
+    assert "spec.scaling.ratio: no counts satisfy the band" in condition["message"], condition
+    assert event_reasons(kubectl, namespace).count("InvalidSpec") == 1
     assert not kubectl.json("get", "pods", "-n", namespace)["items"], "nothing is made from an invalid spec"
     assert operator.proc is not None and operator.proc.poll() is None, "the operator keeps running"
 
     kubectl("patch", "dc", "llm", "-n", namespace, "--type", "merge", "-p", json.dumps(
-        {"spec": {"scaling": {"autoscaler": {"decode": {"minReplicas": 1, "maxReplicas": 2}}}}}))
+        {"spec": {"scaling": {"ratio": None}}}))
     wait_until(lambda: settled(kubectl, namespace, 1, 1), WAIT_S, "the fixed spec served")
     assert invalid() is None

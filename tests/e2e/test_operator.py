@@ -108,6 +108,18 @@ _AUTO: dict[str, Any] = {"prefill": {"minReplicas": 1, "maxReplicas": 2}, "decod
      "spec.scaling.autoscaler.decode.minReplicas"),
     ({"model": {"source": "m"}, "scaling": {"ratio": {"minPrefillPerDecode": "half", "maxPrefillPerDecode": "1"}}},
      "spec.scaling.ratio.minPrefillPerDecode"),
+    # what only a rule across fields catches
+    ({"model": {"source": "m"}, "scaling": {"autoscaler": {**_AUTO, "prefill": {"minReplicas": 5, "maxReplicas": 2}}}},
+     "minReplicas must not be above maxReplicas"),
+    ({"model": {"source": "m"}, "scaling": {"ratio": {"minPrefillPerDecode": "4", "maxPrefillPerDecode": "1.5"}}},
+     "minPrefillPerDecode must not be above maxPrefillPerDecode"),
+    # pod fields: refused here, not by every pod creation after the apply
+    ({"model": {"source": "m"}, "prefill": {"resources": {"limits": {"cpu": "lots"}}}},
+     "spec.prefill.resources.limits.cpu"),
+    ({"model": {"source": "m"}, "decode": {"tolerations": [{"key": "gpu", "operator": "Maybe"}]}},
+     'Unsupported value: "Maybe"'),
+    ({"model": {"source": "m"}, "decode": {"priorityClassName": "Not Valid"}}, "spec.decode.priorityClassName"),
+    ({"model": {"source": "m"}, "security": {"apiKeySecretName": "Bad_Name"}}, "spec.security.apiKeySecretName"),
 ])
 def test_invalid_resources_are_refused_by_the_api_server(custom: client.CustomObjectsApi, namespace: str,
                                                          spec: dict[str, Any], message: str) -> None:
@@ -116,6 +128,27 @@ def test_invalid_resources_are_refused_by_the_api_server(custom: client.CustomOb
         create(custom, namespace, body)
     assert err.value.status == 422 and err.value.body is not None, "a 422 with the API server's explanation"
     assert message in json.loads(err.value.body)["message"]
+
+
+@pytest.mark.parametrize("name", ["dotted.name", "9lives", "x" * 48])
+def test_names_that_cannot_name_the_service_are_refused(custom: client.CustomObjectsApi, namespace: str,
+                                                        name: str) -> None:
+    body = {"apiVersion": f"{crd.GROUP}/{crd.VERSION}", "kind": crd.KIND, "metadata": {"name": name},
+            "spec": {"model": {"source": "m"}}}
+    with pytest.raises(ApiException) as err:
+        create(custom, namespace, body)
+    assert err.value.status == 422 and "metadata.name" in json.loads(err.value.body)["message"]
+    body["metadata"]["name"] = "x" * 47  # the longest that leaves room for the pods' names
+    create(custom, namespace, body)
+
+
+def test_quantities_and_tolerations_pass_as_in_a_pod(custom: client.CustomObjectsApi, namespace: str) -> None:
+    body = cluster_body("typed", "m")
+    body["spec"]["decode"] |= {"resources": {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"cpu": 2}},
+                               "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]}
+    got = create(custom, namespace, body)["spec"]["decode"]
+    assert got["resources"] == {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"cpu": 2}}
+    assert got["tolerations"] == [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]
 
 
 def test_defaults_are_filled_in_by_the_api_server(custom: client.CustomObjectsApi, namespace: str) -> None:
@@ -197,10 +230,43 @@ def test_operator_creates_gated_pods_and_the_service(operator: OperatorProcess, 
     s = wait_until(status, WAIT_S, "the operator's status")
     assert s["endpoint"] == f"http://llm.{namespace}.svc:8000/v1"
     assert {c["type"] for c in s["conditions"]} == {"Available", "Progressing", "Degraded", "LinksReady"}
+    # A new Service port replaces the old one (merged by port, it would sit beside it and be refused).
+    custom.patch_namespaced_custom_object(crd.GROUP, crd.VERSION, namespace, crd.PLURAL, "llm",
+                                          {"spec": {"service": {"port": 9000}}}, _request_timeout=10)
+    wait_until(lambda: (read(custom, namespace, "llm").get("status") or {}).get("endpoint", "").endswith(":9000/v1")
+               or None, WAIT_S, "the status to name the new port")
+    svc = core.read_namespaced_service("llm", namespace, _request_timeout=10)
+    assert svc.spec is not None and [(p.port, p.target_port) for p in svc.spec.ports or []] == [(9000, "http")]
     # Scaling down before anything is linked deletes the surplus pod.
     custom.patch_namespaced_custom_object(crd.GROUP, crd.VERSION, namespace, crd.PLURAL, "llm",
                                           {"spec": {"decode": {"replicas": 0}}}, _request_timeout=10)
     wait_until(lambda: not pods(core, namespace, "decode") or None, WAIT_S, "the decode pod to go")
+
+
+def test_a_pod_the_api_server_refuses_is_reported_once_not_retried_silently(
+        operator: OperatorProcess, custom: client.CustomObjectsApi, core: client.CoreV1Api, namespace: str) -> None:
+    """A spec field the schema takes as it is (a node selector's key) makes pods the API server
+    refuses: the status says why, one Event per generation, and the fixed spec is acted on."""
+    body = cluster_body("refused", "m")
+    body["spec"]["decode"]["nodeSelector"] = {"bad key!": "x"}
+    create(custom, namespace, body)
+
+    def invalid() -> dict[str, Any] | None:
+        conditions = (read(custom, namespace, "refused").get("status") or {}).get("conditions") or []
+        return next((c for c in conditions if c["type"] == "SpecValid" and c["status"] == "False"), None)
+
+    condition = wait_until(invalid, WAIT_S, "the SpecValid condition")
+    assert "the API server refused" in condition["message"] and "nodeSelector" in condition["message"], condition
+    passes = operator.metric("disagg_operator_reconcile_errors_total", handler="reconcile")
+    wait_until(lambda: operator.metric("disagg_operator_reconcile_errors_total", handler="reconcile") >= passes + 2
+               or None, WAIT_S, "two more passes refused")
+    events = core.list_namespaced_event(namespace, _request_timeout=10).items
+    assert [e.reason for e in events if e.involved_object.name == "refused"].count("InvalidSpec") == 1
+
+    custom.patch_namespaced_custom_object(crd.GROUP, crd.VERSION, namespace, crd.PLURAL, "refused",
+                                          {"spec": {"decode": {"nodeSelector": None}}}, _request_timeout=10)
+    wait_until(lambda: len(pods(core, namespace, "decode")) == 1 or None, WAIT_S, "the decode pod")
+    wait_until(lambda: invalid() is None or None, WAIT_S, "SpecValid gone")
 
 
 # ---- real workers: links, serving, scaling, failures -------------------------------

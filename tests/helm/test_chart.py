@@ -230,6 +230,11 @@ def test_default_rbac_creates_pods_only_in_the_release_namespace(helm: Helm) -> 
         "--namespace=disagg-system"]
     wide = helm.template("--set", "operator.watchAllNamespaces=true")
     assert ("", "pods", "create") in _rules(wide.one("ClusterRole", "disagg-workloads")) and not wide.find("Role")
+    # Children set blockOwnerDeletion: with OwnerReferencesPermissionEnforcement (OpenShift) that takes
+    # the right to update the owner's finalizers.
+    for rules in (_rules(role), _rules(wide.one("ClusterRole", "disagg-workloads"))):
+        assert {("disagg.dev", "disaggclusters/finalizers", "update"),
+                ("disagg.dev", "disaggroles/finalizers", "update")} <= rules
 
 
 # ---- the CRD --------------------------------------------------------------------------
