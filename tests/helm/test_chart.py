@@ -68,6 +68,9 @@ def test_defaults_render_the_operator_and_nothing_optional(helm: Helm) -> None:
     assert deployment["spec"]["replicas"] == 1
     pdb = objects.one("PodDisruptionBudget")
     assert pdb["spec"]["maxUnavailable"] == 1 and "minAvailable" not in pdb["spec"]
+    # A budget may be a percentage of the operator's pods, as any PodDisruptionBudget.
+    pdb = helm.template("--set-string", "podDisruptionBudget.maxUnavailable=50%").one("PodDisruptionBudget")
+    assert pdb["spec"]["maxUnavailable"] == "50%"
 
 
 def test_selectors_are_name_instance_and_component_only(helm: Helm) -> None:

@@ -124,9 +124,9 @@ Value combinations the schema cannot express. Each one fails the install with
 {{- end }}
 {{- $pdb := $v.podDisruptionBudget }}
 {{- if and $pdb.enabled (hasKey $pdb "minAvailable") (hasKey $pdb "maxUnavailable") }}
-{{- fail "ERROR: set podDisruptionBudget.minAvailable or podDisruptionBudget.maxUnavailable, not both (unset one with =null)" }}
+{{- fail "ERROR: set podDisruptionBudget.minAvailable or podDisruptionBudget.maxUnavailable, not both: remove one from your values" }}
 {{- end }}
-{{- if and $pdb.enabled (hasKey $pdb "minAvailable") (ge (int $pdb.minAvailable) (int $v.operator.replicas)) }}
+{{- if and $pdb.enabled (hasKey $pdb "minAvailable") (not (kindIs "string" $pdb.minAvailable)) (ge (int $pdb.minAvailable) (int $v.operator.replicas)) }}
 {{- fail "ERROR: podDisruptionBudget.minAvailable must be below operator.replicas, or no node drain could ever evict the operator" }}
 {{- end }}
 {{- end }}
