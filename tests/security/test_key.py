@@ -92,3 +92,15 @@ def test_the_client_ports_guard_refuses_anonymous_calls_and_remembers_credential
     assert client.allows(METHOD, credential, "http-link")
     assert not admin.allows(METHOD, credential, "http-link"), "a credential used on one port is spent on both"
     assert refused == ["http-link", "http-link"] and admin.allow_anonymous
+
+
+def test_proofs_and_names_a_stranger_sends_are_judged_never_raised() -> None:
+    """A lone surrogate (JSON's "\\ud800") in a handshake's name or proof encodes to no UTF-8:
+    it once raised out of the handshake thread."""
+    key = ClusterKey(new_key_text())
+    bound = ("n1", "n2", "\ud800", "prefill", "session", "0")
+    proof = key.proof("initiator", *bound)
+    assert key.matches(proof, "handshake", "initiator", *bound)
+    assert not key.matches("\ud800", "handshake", "initiator", *bound)
+    with pytest.raises(AuthError):
+        key.check_proof("\ud800" * 64, "initiator", *bound)

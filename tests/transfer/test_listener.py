@@ -6,6 +6,7 @@ An in-process tcp transport on loopback; the "attacker" is raw sockets.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import resource
 import socket
@@ -17,7 +18,8 @@ import pytest
 import torch
 
 from disagg.workers.transfer import KVLayout, KVTransport, PeerInfo, create_transport
-from disagg.workers.transfer.handshake import Hello, initiate
+from disagg.workers.security.key import ClusterKey
+from disagg.workers.transfer.handshake import MAGIC, PREFIX, VERSION, Hello, initiate
 from disagg.workers.transfer.wire import supported_checksums
 
 LAYOUT = KVLayout("test-model", "float16", num_layers=2, num_blocks=8, block_size=4, num_kv_heads=2, head_dim=8)
@@ -115,5 +117,35 @@ def test_running_out_of_file_descriptors_does_not_end_the_accept_loop() -> None:
         try:
             session = decode.connect(f"{address[0]}:{address[1]}", timeout=5)
             assert session.is_open and transport.session("decode-l", timeout=5).is_open
+        finally:
+            decode.close()
+
+
+def _hello_body(**fields: object) -> dict[str, object]:
+    body: dict[str, object] = {"nonce": "aa" * 16, "name": "x", "grpc_address": "a", "layout": LAYOUT.to_dict(),
+                               "transport": "tcp", "session_id": "s", "conn_index": 0, "num_conns": 1,
+                               "checksums": [1], "extras": {}}
+    return body | fields
+
+
+@pytest.mark.parametrize("body", [
+    b"[" * 200_000,  # nested past the recursion limit
+    json.dumps(_hello_body(conn_index=1e400)).encode().replace(b"Infinity", b"1e400"),  # an int() overflow
+], ids=["deep", "overflow"])
+def test_malformed_handshakes_give_their_slot_back(body: bytes) -> None:
+    """Without the key, such a HELLO once killed its handshake thread holding a pending slot for good:
+    `max_pending` of them and the port accepted no link again."""
+    key = ClusterKey(b"0123456789abcdef0123456789abcdef")
+    with listening(key=key, max_pending=2) as (_, address):
+        for _ in range(3):
+            with socket.create_connection(address, timeout=5) as sock:
+                with contextlib.suppress(OSError):  # closed at accept while the last one's slot came back
+                    sock.sendall(PREFIX.pack(MAGIC, VERSION, 1, 0, len(body)) + body)
+                assert closed_by_peer_within(sock, IO_TIMEOUT_S + 2.0)
+        time.sleep(0.2)  # the listener closes a connection just before it frees the slot
+        pool = torch.zeros(LAYOUT.shape, dtype=LAYOUT.torch_dtype)
+        decode = create_transport("tcp", pool, LAYOUT, "decode-l", "127.0.0.1:2", num_connections=1, key=key)
+        try:
+            assert decode.connect(f"{address[0]}:{address[1]}", timeout=5).is_open
         finally:
             decode.close()

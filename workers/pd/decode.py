@@ -41,7 +41,7 @@ from disagg.workers.pd.links import PeerTable
 from disagg.workers.pd.messages import Admission, FirstToken, NewRequest, Reservation, TransferMode
 from disagg.workers.pd.service import Handlers
 from disagg.workers.streams import merge_streams
-from disagg.workers.transfer import Access, KVTransport, LinkRefusedError, TransferError, TransferTimeout
+from disagg.workers.transfer import Access, KVTransport, LinkRefusedError, TransferError, TransferTimeout, revoke_settled
 
 log = logging.getLogger(__name__)
 
@@ -307,7 +307,7 @@ class DecodeRole(EngineHealth["AsyncEngine[LLMEngine]"]):
 
     async def _drop(self, req_id: str, reason: str) -> None:
         inc = self._incoming.pop(req_id, None)
-        self._transport.access.revoke(req_id)
+        await revoke_settled(self._transport.access, req_id, self._config.transfer_timeout_s)
         if inc is None:
             return
         log.info("dropping request %s: %s", req_id, reason)

@@ -55,7 +55,7 @@ from disagg.workers.pd.pusher import KVPusher
 from disagg.workers.pd.relay import SERVED_LOCALLY, Stream, TokenRelay, fail_stream
 from disagg.workers.pd.router import NO_DECODE, DecodeRouter, Route
 from disagg.workers.pd.service import Handlers
-from disagg.workers.transfer import Access, KVTransport, TransferSession
+from disagg.workers.transfer import Access, KVTransport, TransferSession, revoke_settled
 
 log = logging.getLogger(__name__)
 
@@ -337,7 +337,7 @@ class PrefillRole(EngineHealth["AsyncEngine[LLMEngine]"]):
 
     async def _release(self, call: _Call) -> None:
         """Free the prompt blocks the engine held after the hand-off."""
-        self._transport.access.revoke(call.req_id)
+        await revoke_settled(self._transport.access, call.req_id, self._config.transfer_timeout_s)
         if call.held:
             call.held = False
             await self._engine.release(call.req_id)

@@ -159,6 +159,8 @@ class ClusterKey:
 
     def matches(self, mac: str, *parts: str) -> bool:
         """Whether `mac` is the HMAC over the parts by any accepted key."""
+        if not mac.isascii():  # a MAC is hex; anything else (a lone surrogate) cannot even be encoded
+            return False
         return any(hmac.compare_digest(mac.encode(), _mac(s, *parts).encode()) for s in self._current())
 
     def credential(self, method: str, now: float | None = None) -> str:
@@ -183,7 +185,8 @@ def new_key_text() -> bytes:
 
 def _mac(secret: bytes, *parts: str) -> str:
     """HMAC-SHA256 over the parts, each length-prefixed so that no two part lists collide."""
-    message = b"".join(len(p.encode()).to_bytes(4, "big") + p.encode() for p in parts)
+    raw = [p.encode("utf-8", "surrogatepass") for p in parts]  # total: a peer's name may hold anything
+    message = b"".join(len(r).to_bytes(4, "big") + r for r in raw)
     return hmac.new(secret, message, hashlib.sha256).hexdigest()
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from disagg.workers.transfer.access import Access, BlockAccess
+from disagg.workers.transfer.access import Access, BlockAccess, revoke_settled
 from disagg.workers.transfer.base import (
     KVLayout,
     KVTransport,
@@ -59,4 +59,5 @@ __all__ = [
     "TransferSession",
     "TransferTimeout",
     "create_transport",
+    "revoke_settled",
 ]

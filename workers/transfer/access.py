@@ -6,15 +6,26 @@ the prefill: the prompt blocks it holds for a request handed to a decode,
 readable by that decode until they are released); the transport's reader
 threads check every WRITE and READ frame against the grants of the peer
 that sent it, so a peer never touches the rest of the pool.
+
+A grant is checked when a frame's bytes start to move, and they may move for a
+while after it. So the blocks a frame moves stay in use until it has moved
+them, and whoever frees a request's blocks after revoking its grant first waits
+until they are unused (`wait_unused`): otherwise a late write would land in
+blocks already handed to another request, or a late read would carry its KV.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
+
+
+logger = logging.getLogger(__name__)
 
 
 class Access(Enum):
@@ -47,7 +58,9 @@ class BlockAccess:
         self._on_refused = on_refused
         self._grants: dict[str, _Grant] = {}
         self._counts: dict[tuple[str, Access], Counter[int]] = {}
+        self._in_use: Counter[int] = Counter()  # blocks frames are moving now
         self._lock = threading.Lock()
+        self._unused = threading.Condition(self._lock)
 
     def allow(self, peer: str, req_id: str, blocks: Sequence[int], access: Access) -> None:
         """Let `peer` touch `blocks` for `req_id` (replacing what `req_id` was granted before)."""
@@ -57,17 +70,41 @@ class BlockAccess:
             self._grants[req_id] = grant
             self._counts.setdefault((peer, access), Counter()).update(grant.blocks)
 
-    def revoke(self, req_id: str) -> None:
-        """End `req_id`'s grant. Idempotent."""
+    def revoke(self, req_id: str) -> tuple[int, ...]:
+        """End `req_id`'s grant; the blocks it covered (a frame may still be moving some). Idempotent."""
         with self._lock:
             grant = self._grants.pop(req_id, None)
             if grant is None:
-                return
+                return ()
             counts = self._counts[(grant.peer, grant.access)]
             counts.subtract(grant.blocks)
             for block in grant.blocks:
                 if counts[block] <= 0:
                     del counts[block]
+        return grant.blocks
+
+    def use(self, peer: str, access: Access, blocks: Sequence[int]) -> str | None:
+        """`refusal`; when allowed, the blocks are in use until `done_with(blocks)`."""
+        error = self.refusal(peer, access, blocks)
+        if error is None:
+            with self._lock:
+                self._in_use.update(blocks)
+        return error
+
+    def done_with(self, blocks: Sequence[int]) -> None:
+        with self._unused:
+            self._in_use.subtract(blocks)
+            self._in_use = +self._in_use  # drops the blocks no frame moves any more
+            self._unused.notify_all()
+
+    def in_use(self, blocks: Iterable[int]) -> bool:
+        with self._lock:
+            return any(self._in_use[b] > 0 for b in blocks)
+
+    def wait_unused(self, blocks: Sequence[int], timeout: float) -> bool:
+        """Block until no frame moves any of `blocks`; False when one still does after `timeout` s."""
+        with self._unused:
+            return self._unused.wait_for(lambda: not any(self._in_use[b] > 0 for b in blocks), timeout)
 
     def refusal(self, peer: str, access: Access, blocks: Iterable[int]) -> str | None:
         """Why `peer` may not touch `blocks` this way (counted), or None when it may."""
@@ -87,3 +124,11 @@ class BlockAccess:
         """Live grants (for tests and leak checks)."""
         with self._lock:
             return len(self._grants)
+
+
+async def revoke_settled(access: BlockAccess, req_id: str, timeout: float) -> None:
+    """Revoke `req_id`'s grant, then wait (off the event loop, at most `timeout` s) until no frame
+    moves its blocks any more: after this they may be freed."""
+    blocks = access.revoke(req_id)
+    if blocks and access.in_use(blocks) and not await asyncio.to_thread(access.wait_unused, blocks, timeout):
+        logger.warning("request %s: a frame still moves its blocks after %.0f s; freeing them anyway", req_id, timeout)

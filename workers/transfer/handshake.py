@@ -92,7 +92,7 @@ class Hello:
                 dict(body.get("extras", {})),
                 str(body["nonce"]),
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:  # OverflowError: int(1e400)
             raise HandshakeError(f"malformed HELLO: {exc}") from exc
         if not 0 <= hello.conn_index < hello.num_conns <= 64:
             raise HandshakeError(f"HELLO connection {hello.conn_index} of {hello.num_conns} is out of range")
@@ -175,8 +175,8 @@ def _recv(sock: socket.socket, kind: int, deadline: float) -> dict[str, Any]:
         body = json.loads(_recv_by(sock, length, deadline))
     except socket.timeout as exc:
         raise TransferTimeout("the handshake did not complete in time") from exc
-    except (ConnectionError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise HandshakeError(f"broken handshake: {exc}") from exc
+    except (ConnectionError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise HandshakeError(f"broken handshake: {exc!r}"[:200]) from exc  # RecursionError: "[[[[...", nested
     if not isinstance(body, dict):
         raise HandshakeError("handshake body is not a JSON object")
     return body

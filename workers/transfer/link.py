@@ -181,6 +181,9 @@ class LinkedTransport(KVTransport):
         except (OSError, TransferError):
             self._close_all(socks)
             raise
+        except Exception as exc:  # noqa: BLE001 - an answer no handshake rule foresaw: still closed, still ours
+            self._close_all(socks)
+            raise TransferError(f"transfer peer {address} answered a malformed handshake: {exc!r}") from exc
         refused = next((reply for reply, _ in answers if not reply.ok), None)
         reply, challenge = answers[0]
         reason = None
@@ -315,7 +318,7 @@ class LinkedTransport(KVTransport):
             assert checksum is not None, "checked above"
             proof = self._key.proof("acceptor", *bound_fields(hello, challenge)) if self._key is not None else ""
             send_reply(sock, Reply(True, "", self.identity, int(checksum), extras, proof))
-        except (OSError, TransferError) as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever a stranger's bytes raise, the slot comes back
             logger.warning("transfer handshake failed: %s", exc)
             sock.close()
             self._pending_slots.release()

@@ -43,6 +43,7 @@ from disagg.workers.transfer.wire import (
     Kind,
     control_frame,
     encode_frame,
+    frame_blocks,
     new_hasher,
     payload_segments,
     range_error,
@@ -184,6 +185,20 @@ class _Connection:
         self.sock.sendall(TRAILER.pack(hasher.value()))
         self.bytes_sent += frame.payload_bytes
 
+    def _send_granted(self, data: Frame) -> None:
+        """Answer a READ with DATA, its grant checked as the bytes leave (not when the READ came in:
+        the blocks may have been released and reused since) and its blocks in use until they left."""
+        blocks = frame_blocks(data, "src")
+        error = self.access.use(self.peer.name, Access.READ, blocks)
+        if error is not None:
+            frame, payload = control_frame(Kind.ERROR, data.request_id, error)
+            self.sock.sendall(encode_frame(frame) + payload)
+            return
+        try:
+            self._send_kv(data)
+        finally:
+            self.access.done_with(blocks)
+
     def _send_control(self, kind: Kind, request_id: int, reason: str = "") -> None:
         frame, payload = control_frame(kind, request_id, reason)
         self._jobs.put(lambda: self.sock.sendall(encode_frame(frame) + payload))
@@ -211,25 +226,27 @@ class _Connection:
         if frame.kind == Kind.WRITE:
             error = self._check_incoming(frame)
             if error is None:
-                error = self._recv_kv(frame)
+                try:
+                    error = self._recv_kv(frame)
+                finally:
+                    self.access.done_with(frame_blocks(frame, "dst"))
             else:
                 self.payload.discard(self.sock, payload_segments(frame, "dst"))
                 recv_exact(self.sock, TRAILER.size)
             self._send_control(Kind.ERROR if error else Kind.ACK, frame.request_id, error or "")
         elif frame.kind == Kind.READ:
-            error = range_error(frame, layout.num_layers, layout.num_blocks, "src") or self.access.refusal(
-                self.peer.name, Access.READ, (r.src + i for r in frame.runs for i in range(r.count)))
+            error = range_error(frame, layout.num_layers, layout.num_blocks, "src")
             if error is None:
                 data = Frame(Kind.DATA, self.checksum, frame.request_id, frame.layer, frame.layer_count,
                              frame.runs, frame.layer_count * frame.num_blocks * self.block_bytes)
-                self._jobs.put(lambda: self._send_kv(data))
+                self._jobs.put(lambda: self._send_granted(data))
             else:
                 self._send_control(Kind.ERROR, frame.request_id, error)
         elif frame.kind == Kind.DATA:
             handle = self._expected_data(frame)
             handle.part_done(self._recv_kv(frame))
         elif frame.kind == Kind.ACK:
-            self._finish(frame.request_id, None)
+            self._finish(frame.request_id, None, acknowledged=True)
         else:
             reason = recv_exact(self.sock, frame.payload_bytes).decode("utf-8", errors="replace")
             if frame.request_id == 0:
@@ -239,8 +256,8 @@ class _Connection:
     def _check_incoming(self, frame: Frame) -> str | None:
         if frame.checksum != self.checksum:
             return f"checksum kind {frame.checksum} differs from the negotiated {self.checksum}"
-        return range_error(frame, self.layout.num_layers, self.layout.num_blocks, "dst") or self.access.refusal(
-            self.peer.name, Access.WRITE, (r.dst + i for r in frame.runs for i in range(r.count)))
+        return range_error(frame, self.layout.num_layers, self.layout.num_blocks, "dst") or self.access.use(
+            self.peer.name, Access.WRITE, frame_blocks(frame, "dst"))
 
     def _recv_kv(self, frame: Frame) -> str | None:
         """Receive a frame's payload into its destination blocks; the reason if it fails its checksum."""
@@ -256,17 +273,23 @@ class _Connection:
     def _expected_data(self, frame: Frame) -> TransferHandle:
         with self._lock:
             handle, asked = self._pending.pop(frame.request_id, (None, None))
-        if handle is None or asked is None or asked.runs != frame.runs or asked.layer_count != frame.layer_count:
+        if (handle is None or asked is None or (asked.runs, asked.layer, asked.layer_count) != (
+                frame.runs, frame.layer, frame.layer_count) or frame.checksum != self.checksum):
+            if handle is not None:
+                handle.part_done(f"{self.peer.name} answered request {frame.request_id} with other blocks")
             raise FrameError(f"DATA for request {frame.request_id} that was not asked for")
         return handle
 
-    def _finish(self, request_id: int, error: str | None) -> None:
+    def _finish(self, request_id: int, error: str | None, acknowledged: bool = False) -> None:
         with self._lock:
-            handle, _ = self._pending.pop(request_id, (None, None))
+            handle, asked = self._pending.pop(request_id, (None, None))
             merged = [self._pending.pop(later, (None, None))[0] for later in self._merged.pop(request_id, ())]
         if handle is None:
             logger.warning("answer for unknown request %d from %s", request_id, self.peer.name)
             return
+        if acknowledged and asked is not None:  # only DATA completes a READ: an ACK would leave the blocks unfilled
+            handle.part_done(f"{self.peer.name} acknowledged READ request {request_id} without its data")
+            raise FrameError(f"ACK for READ request {request_id}")
         for answered in (handle, *merged):
             if answered is not None:
                 answered.part_done(error)

@@ -275,6 +275,11 @@ def recv_frame(sock: socket.socket, max_blocks: int, max_layers: int, block_byte
     return frame
 
 
+def frame_blocks(frame: Frame, side: str) -> list[int]:
+    """The local blocks a frame's runs name on `side` ("dst" or "src", as in `range_error`)."""
+    return [(run.dst if side == "dst" else run.src) + i for run in frame.runs for i in range(run.count)]
+
+
 def range_error(frame: Frame, num_layers: int, num_blocks: int, side: str) -> str | None:
     """Why the runs of a well-formed frame do not fit the local pool, or None.
 
