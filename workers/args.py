@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -16,7 +17,7 @@ from disagg.proto.vocabulary import (
     ADMIN_PORT_OFFSET, API_KEY_ENV, DEVICES, DTYPES, KV_CHECKSUMS, PD_POLICIES, TRANSFER_MODES, TRANSPORTS, PDPolicy,
 )
 from disagg.workers.config import (
-    PREFILL_CPU_STEP_TOKENS, Role, ServerConfig, TransferMode, Transport, default_step_tokens,
+    PREFILL_CPU_STEP_TOKENS, CorsPolicy, Role, ServerConfig, TransferMode, Transport, default_step_tokens,
 )
 from disagg.workers.engine.config import EngineConfig
 from disagg.workers.security.key import KEY_ENV, KEY_FILE_ENV, ClusterKey, default_key_file, key_from_environment
@@ -52,6 +53,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     client = p.add_argument_group("client API")
     client.add_argument("--api-key", default=None,
                         help=f"clients send it as 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}, else none)")
+    cors = CorsPolicy()
+    client.add_argument("--allowed-origins", type=_json_strings, default=list(cors.allowed_origins), metavar="JSON",
+                        help='CORS: origins of browser pages that may call the API, a JSON list (default \'["*"]\')')
+    client.add_argument("--allowed-methods", type=_json_strings, default=list(cors.allowed_methods), metavar="JSON",
+                        help="CORS: HTTP methods allowed, a JSON list (default '[\"*\"]')")
+    client.add_argument("--allowed-headers", type=_json_strings, default=list(cors.allowed_headers), metavar="JSON",
+                        help="CORS: request headers allowed, a JSON list (default '[\"*\"]')")
+    client.add_argument("--allow-credentials", action="store_true", default=cors.allow_credentials,
+                        help="CORS: let browser pages send cookies and credentials (default: no)")
     client.add_argument("--max-queued-requests", type=int, default=_default(s, "max_queued_requests"),
                         help="client requests held beyond --max-num-seqs before answering 429 (default: 4 x --max-num-seqs)")
     role.add_argument("--vllm-metric-aliases", action="store_true",
@@ -122,6 +132,17 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                      help="seed of requests that give none (default %(default)s)")
 
 
+def _json_strings(text: str) -> list[str]:
+    """A flag's JSON list of strings (vLLM's form of the CORS flags)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f'expected a JSON list of strings such as \'["*"]\', got {text!r}')
+    return value
+
+
 def add_key_arguments(p: argparse.ArgumentParser) -> None:
     """--cluster-key-file and --insecure, shared by serve, link, unlink and demo."""
     group = p.add_mutually_exclusive_group()
@@ -178,6 +199,8 @@ def build_configs(args: argparse.Namespace, env: Mapping[str, str] | None = None
         transfer_port=args.transfer_port,
         admin_port=args.admin_port if args.admin_port is not None else args.http_port + ADMIN_PORT_OFFSET,
         api_key=args.api_key if args.api_key is not None else env.get(API_KEY_ENV),
+        cors=CorsPolicy(tuple(args.allowed_origins), tuple(args.allowed_methods), tuple(args.allowed_headers),
+                        args.allow_credentials),
         max_queued_requests=args.max_queued_requests,
         served_model_name=args.served_model_name,
         kv_transfer_mode=TransferMode(args.kv_transfer_mode),

@@ -34,10 +34,21 @@ from disagg.workers.pd.decision import DecisionPolicy
 from disagg.workers.security.key import ClusterKey
 from disagg.workers.security.tls import TlsFiles
 
-__all__ = ["Role", "ServerConfig", "TransferMode", "Transport", "default_kv_connections", "default_step_tokens",
-           "default_threads", "usable_cpus"]
+__all__ = ["CorsPolicy", "Role", "ServerConfig", "TransferMode", "Transport", "default_kv_connections",
+           "default_step_tokens", "default_threads", "usable_cpus"]
 
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")  # cgroup v2: "<quota> <period>" or "max <period>"
+
+
+@dataclass(frozen=True)
+class CorsPolicy:
+    """Which browser pages may call the client API (CORS), vLLM's flags and defaults:
+    any origin, method and header, without credentials."""
+
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
 
 
 @dataclass(frozen=True)
@@ -85,6 +96,7 @@ class ServerConfig:
     cpu_turn_wait_s: float = DEFAULT_DECODE_WAIT_S  # the longest a decode step waits for its turn
     # Clients of the OpenAI API send it as `Authorization: Bearer`; None: open.
     api_key: str | None = field(default=None, repr=False)
+    cors: CorsPolicy = field(default_factory=CorsPolicy)
     # Client requests held beyond the engine's max_num_seqs before a 429; None: 4 x max_num_seqs.
     max_queued_requests: int | None = None
     # Also export the routing and latency metrics under vLLM's names (vllm:*).

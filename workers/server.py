@@ -200,7 +200,8 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig, spec: 
                     "can link, send requests and read or write KV blocks")
     started: list[Worker] = []  # the worker, once started: the link routes serve it from then on
     admin_app = build_admin_app(state)
-    client_app = build_app(state, client_api=spec.serves_completions, api_key=server_config.api_key)
+    client_app = build_app(state, client_api=spec.serves_completions, api_key=server_config.api_key,
+                           cors=server_config.cors)
     if spec.link_routes:
         _add_link_routes(admin_app, client_app, state, server_config, lambda: started[0] if started else None)
     admin = _uvicorn(admin_app, server_config.host, server_config.admin_port, graceful_shutdown_s=1.0)

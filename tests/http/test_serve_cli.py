@@ -22,7 +22,7 @@ import pytest
 from disagg.workers import cli
 from disagg.workers.args import add_serve_arguments, build_configs
 from disagg.workers.config import (
-    PREFILL_CPU_STEP_TOKENS, default_kv_connections, default_threads, usable_cpus,
+    PREFILL_CPU_STEP_TOKENS, CorsPolicy, default_kv_connections, default_threads, usable_cpus,
 )
 from disagg.workers.demo import running_pair
 from disagg.workers.engine.config import EngineConfig
@@ -69,6 +69,19 @@ def test_the_api_key_comes_from_the_flag_or_the_environment() -> None:
     assert server.api_key is None
     with pytest.raises(ValueError, match="api_key must not be blank"):
         build_configs(parser.parse_args([*base, "--api-key", " "]), env={})
+
+
+def test_the_cors_flags_are_vllms_json_lists() -> None:
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    base = ["--role", "mixed", "--model", "x"]
+    _, server = build_configs(parser.parse_args(base), env={})
+    assert server.cors == CorsPolicy(("*",), ("*",), ("*",), False)  # vLLM's defaults
+    args = parser.parse_args([*base, "--allowed-origins", '["https://a.example"]', "--allowed-methods", '["POST"]',
+                              "--allowed-headers", "[]", "--allow-credentials"])
+    assert build_configs(args, env={})[1].cors == CorsPolicy(("https://a.example",), ("POST",), (), True)
+    result = _run("--role", "mixed", "--model", "x", "--allowed-origins", "https://a.example")
+    assert result.returncode == 2 and "JSON list of strings" in result.stderr
 
 
 def test_the_admin_port_follows_the_http_port_unless_given() -> None:

@@ -242,7 +242,6 @@ BAD: list[tuple[dict[str, Any], str, str]] = [  # (fields, param, words of the m
     ({"messages": [*MESSAGES, {"role": "tool", "tool_call_id": "c9", "content": "x"}]}, "messages", "no earlier"),
     ({"messages": [*MESSAGES, {"role": "assistant", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[1]"}}]}]}, "messages", "JSON object"),
-    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice", "cannot be combined"),
     ({"tool_choice": "required", "ignore_eos": True}, "tool_choice", "ignore_eos"),
     ({"tools": [{"type": "function", "function": {"name": "f", "strict": True}}], "guided_regex": "a+"},
      "tool_choice", "cannot be combined"),

@@ -13,6 +13,7 @@ from disagg.testing.tiny_model import build_tokenizer
 from disagg.workers.engine.grammar import Grammars
 from disagg.workers.engine.tokenizer import Tokenizer
 from disagg.workers.http.protocol import ChatCompletionRequest, ToolCallDelta
+from disagg.workers.http.structured import structured_output
 from disagg.workers.http.tool_parser import ToolCallParser, parse_output
 from disagg.workers.http.tools import ToolPlan, format_call, plan_tools
 
@@ -81,6 +82,19 @@ def test_auto_is_enforced_only_with_a_strict_function(grammars: Checker) -> None
     assert grammars.accepts(plan, f"Adding.\n{ADD_CALL}") and grammars.accepts(plan, ADD_CALL)
     assert not grammars.accepts(plan, f"Adding.\n{format_call('add', {'a': 1})}")
     assert not grammars.accepts(plan, "Adding <tool_call> by hand")
+
+
+def test_auto_with_strict_tools_and_a_json_format_is_the_answer_or_calls(grammars: Checker) -> None:
+    strict = [{"type": "function", "function": {"name": "add", "parameters": ADD, "strict": True}}]
+    answer = {"type": "object", "properties": {"sum": {"type": "integer"}}, "required": ["sum"]}
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": strict,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "out", "schema": answer}}}
+    req = ChatCompletionRequest.model_validate(body)
+    plan = plan_tools(req, structured_output(req))
+    assert plan is not None
+    assert grammars.accepts(plan, '{"sum":3}') and grammars.accepts(plan, ADD_CALL)
+    assert not grammars.accepts(plan, "Just text") and not grammars.accepts(plan, '{"total":3}')
+    assert not grammars.accepts(plan, f'{{"sum":3}}\n{ADD_CALL}') and not grammars.accepts(plan, f"Adding.\n{ADD_CALL}")
 
 
 SPLIT_CASES = [

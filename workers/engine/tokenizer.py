@@ -136,10 +136,12 @@ class Tokenizer:
         return self._has_chat_template and "tools" in str(self.hf.chat_template)
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-                    tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+                    tools: Sequence[Mapping[str, Any]] | None = None,
+                    template_kwargs: Mapping[str, Any] | None = None) -> str:
         """The prompt text of a conversation, by the model's chat template, or
         by FALLBACK_CHAT_TEMPLATE when the model has none. `tools` (OpenAI's
-        tool specs) go to a template that takes them (`template_takes_tools`)."""
+        tool specs) go to a template that takes them (`template_takes_tools`);
+        `template_kwargs` are further template variables (Qwen3's `enable_thinking`)."""
         template = None if self._has_chat_template else FALLBACK_CHAT_TEMPLATE
         text = self.hf.apply_chat_template(
             [dict(m) for m in messages],
@@ -147,19 +149,21 @@ class Tokenizer:
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             tools=[dict(t) for t in tools] if tools else None,
+            **(template_kwargs or {}),
         )
         assert isinstance(text, str), f"apply_chat_template(tokenize=False) returned {type(text).__name__}"
         return text
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-                    tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+                    tools: Sequence[Mapping[str, Any]] | None = None,
+                    template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         """Token ids of a conversation's prompt.
 
         A model's own template writes its special tokens (BOS included) as
         text, so they are not added again; the fallback template writes none,
         so the tokenizer adds its usual ones.
         """
-        text = self.render_chat(messages, add_generation_prompt, tools)
+        text = self.render_chat(messages, add_generation_prompt, tools, template_kwargs)
         return self.encode(text, add_special_tokens=not self._has_chat_template)
 
     def detokenizer(self, prompt_token_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> IncrementalDetokenizer:

@@ -27,11 +27,13 @@ from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from disagg.workers import tracing
+from disagg.workers.config import CorsPolicy
 from disagg.workers.http.backend import NO_CLIENT_API, Backend, Health, ModelInfo
 from disagg.workers.http.edge import Admission, RequestCheck, bearer_check, max_in_flight, parse_body, read_body
 from disagg.workers.http.errors import APIError, NoSuchModel, NotReady, install_error_handlers
@@ -101,10 +103,14 @@ class AppState:
         return self.serving
 
 
-def build_app(state: AppState, client_api: bool = True, api_key: str | None = None) -> FastAPI:
+def build_app(state: AppState, client_api: bool = True, api_key: str | None = None,
+              cors: CorsPolicy = CorsPolicy()) -> FastAPI:
     """The client app; `client_api=False` (a decode) answers the completion routes
-    with a 404 that says where to go; with `api_key`, /v1 needs it as a bearer token."""
+    with a 404 that says where to go; with `api_key`, /v1 needs it as a bearer token;
+    `cors` says which browser pages may call it (a preflight needs no key)."""
     app = FastAPI(title="disagg worker", docs_url=None, redoc_url=None)
+    app.add_middleware(CORSMiddleware, allow_origins=cors.allowed_origins, allow_methods=cors.allowed_methods,
+                       allow_headers=cors.allowed_headers, allow_credentials=cors.allow_credentials)
     install_error_handlers(app)
     tracing.instrument(app, ("/v1/completions", "/v1/chat/completions", "/v1/responses"))
     auth = [Depends(bearer_check(api_key))] if api_key else []

@@ -41,8 +41,11 @@ class BadRequest(APIError):
 
 
 class ModelNotFound(APIError):
+    """A request for another model: OpenAI's shape, as NoSuchModel's."""
+
     def __init__(self, model: str, served: str) -> None:
-        super().__init__(f"The model `{model}` does not exist; this server serves `{served}`.", 404, "model_not_found", "model")
+        super().__init__(f"The model `{model}` does not exist; this server serves `{served}`.", 404,
+                         "invalid_request_error", "model", code="model_not_found")
 
 
 class NoSuchModel(APIError):
@@ -72,7 +75,9 @@ def role_api_error(exc: pd_errors.RequestFailed) -> APIError:
     return APIError(str(exc), status, kind)
 class Unauthorized(APIError):
     def __init__(self, message: str) -> None:
-        super().__init__(message, 401, "authentication_error", headers={"WWW-Authenticate": "Bearer"})
+        # OpenAI's body for a missing or wrong key.
+        super().__init__(message, 401, "invalid_request_error", headers={"WWW-Authenticate": "Bearer"},
+                         code="invalid_api_key")
 
 
 class BodyTooLarge(APIError):

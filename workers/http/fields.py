@@ -23,11 +23,14 @@ HARMLESS: dict[str, str] = {
     "store": "OpenAI's stored completions; nothing is stored",
     "service_tier": "OpenAI's billing tier",
     "prompt_cache_key": "a cache-routing hint; the prefix cache works without it",
+    "prompt_cache_retention": "OpenAI's cache retention; the prefix cache keeps what fits",
+    "prompt_cache_options": "OpenAI's cache breakpoints; the prefix cache finds shared prefixes itself",
     "safety_identifier": "an end-user id for OpenAI's abuse monitoring",
     "request_id": "vLLM's client-chosen id; responses carry the server's id",
     # SGLang's, which sglang-router writes into every request it forwards
     "separate_reasoning": "SGLang's reasoning split, done only by a reasoning parser; this server has none",
     "stream_reasoning": "SGLang's streaming of that split; no reasoning parser here",
+    "include_reasoning": "vLLM's switch for a reasoning parser's output; this server has none",
 }
 
 
@@ -64,6 +67,7 @@ REFUSED: dict[str, Refused] = {
     "web_search_options": Refused("web search is not supported"),
     "reasoning_effort": Refused("this model has no reasoning mode"),
     "verbosity": Refused("this model has no verbosity control"),
+    "moderation": Refused("moderation of input and output is not supported"),
     # vLLM's extensions
     "echo": Refused("echo is supported on /v1/completions only", noop_if(False)),
     "structural_tag": Refused("structural tags are not supported"),
@@ -79,7 +83,6 @@ REFUSED: dict[str, Refused] = {
     "continue_final_message": Refused("continue_final_message is not supported", noop_if(False)),
     "add_special_tokens": Refused("add_special_tokens is not supported"),
     "chat_template": Refused("a request's own chat_template is not supported"),
-    "chat_template_kwargs": Refused("chat_template_kwargs is not supported", noop_if({})),
     "documents": Refused("documents (RAG templates) are not supported"),
     "mm_processor_kwargs": Refused("multimodal input is not supported"),
     "logits_processors": Refused("logits_processors is not supported"),
@@ -108,9 +111,22 @@ def check_extra_fields(req: BaseModel, harmless: Mapping[str, str] = HARMLESS,
             raise BadRequest(f"{name}: {refused.reason}", name)
 
 
-def check_message_fields(index: int, extra: Mapping[str, Any] | None) -> None:
-    """A chat message's undeclared fields: null ones (a replayed response's
-    `refusal`, `audio`, ...) ask for nothing; any other value is refused."""
+# A response message's own fields, which clients replay with it as an assistant
+# message (vLLM ignores them too): what the model said is in `content` and `tool_calls`.
+MESSAGE_OUTPUT_FIELDS: dict[str, str] = {
+    "refusal": "OpenAI's refusal text of a response; this model answers in content",
+    "annotations": "OpenAI's URL citations of web search, which is not offered",
+    "audio": "OpenAI's audio answer, which this server never gives",
+    "parsed": "the openai client's parse() result: content, parsed",
+    "reasoning_content": "a reasoning parser's output (vLLM's, SGLang's); this server has none",
+    "reasoning": "a reasoning parser's output (vLLM's newer name); this server has none",
+}
+
+
+def check_message_fields(index: int, role: str, extra: Mapping[str, Any] | None) -> None:
+    """A chat message's undeclared fields: null ones, and an assistant message's
+    output-only fields (replayed with it), ask for nothing; any other is refused."""
     for name, value in (extra or {}).items():
-        if value is not None:
+        replayed = role == "assistant" and name in MESSAGE_OUTPUT_FIELDS
+        if not replayed and value is not None:
             raise BadRequest(f"messages[{index}].{name} is not supported", "messages")

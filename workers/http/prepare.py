@@ -4,20 +4,19 @@ before the engine sees the request."""
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, replace
 from typing import Any
 
 from jinja2 import TemplateError
 
-from disagg.workers.engine.grammar import GrammarKind, build_grammar
 from disagg.workers.engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 from disagg.workers.engine.tokenizer import Tokenizer
 from disagg.workers.http.backend import ModelInfo
 from disagg.workers.http.errors import BadRequest, ModelNotFound
 from disagg.workers.http.fields import check_extra_fields, check_message_fields
 from disagg.workers.http.protocol import CHAT_ROLES, ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
+from disagg.workers.http.structured import Constraint, structured_output
 from disagg.workers.http.tools import ToolPlan, history_calls, plan_tools, render_input
 
 MAX_BATCH_PROMPTS = 64  # prompts of one /v1/completions request: each runs as its own sequences
@@ -45,8 +44,9 @@ class Prepared:
         return [self.prompt_token_ids, *self.more_prompts]
 
 
-def check_model(requested: str, model: ModelInfo) -> None:
-    if requested not in (model.name, model.source):
+def check_model(requested: str | None, model: ModelInfo) -> None:
+    """None (no `model` sent) is the served model, as vLLM reads it."""
+    if requested is not None and requested not in (model.name, model.source):
         raise ModelNotFound(requested, model.name)
 
 
@@ -75,7 +75,9 @@ def prepare_completion(req: CompletionRequest, model: ModelInfo, tokenizer: Toke
     # Echoed logprobs are the prompt's own first: its forward gives them (the engine's prompt logprobs).
     echo_logprobs = req.logprobs if req.echo else None
     prompt_logprobs = max((k for k in (echo_logprobs, req.prompt_logprobs) if k is not None), default=None)
-    params = _sampling_params(req, max_tokens, req.logprobs, max(all_ids, key=len), model, prompt_logprobs)
+    constraint = structured_output(req)
+    params = _sampling_params(req, max_tokens, req.logprobs, max(all_ids, key=len), model, prompt_logprobs,
+                              None if constraint is None else constraint.grammar)
     echo = Echo(tuple(texts), drop_output) if req.echo else None
     return Prepared(all_ids[0], params, more_prompts=tuple(all_ids[1:]), echo=echo)
 
@@ -94,30 +96,40 @@ def _prompts(prompt: str | list[int] | list[str] | list[list[int]]) -> list[str]
 def prepare_chat(req: ChatCompletionRequest, model: ModelInfo, tokenizer: Tokenizer) -> Prepared:
     check_model(req.model, model)
     check_extra_fields(req)
-    ids, plan = chat_prompt(req, tokenizer)
+    constraint = structured_output(req)
+    ids, plan = chat_prompt(req, tokenizer, constraint)
     if req.top_logprobs is not None and not req.logprobs:
         raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    params = _sampling_params(req, max_tokens, logprobs, ids, model, req.prompt_logprobs)
-    if plan is not None and plan.grammar is not None:
-        if params.grammar is not None:
-            raise BadRequest("a structured-output constraint cannot be combined with tool_choice required, a "
-                             "named function or strict tools, which constrain the output to their format", "tool_choice")
+    params = _sampling_params(req, max_tokens, logprobs, ids, model, req.prompt_logprobs,
+                              None if constraint is None else constraint.grammar)
+    if plan is not None and plan.grammar is not None:  # it holds the constraint's format, if any
         params = replace(params, grammar=plan.grammar)
     return Prepared(ids, params, plan if plan is not None and plan.offered else None)
 
 
-def chat_prompt(req: ChatCompletionRequest, tokenizer: Tokenizer) -> tuple[list[int], ToolPlan | None]:
+# What the chat path itself passes to apply_chat_template: chat_template_kwargs may not override it.
+_TEMPLATE_ARGUMENTS = frozenset({"messages", "conversation", "tools", "add_generation_prompt", "chat_template",
+                                 "tokenize", "return_dict", "continue_final_message", "documents", "tokenizer_kwargs"})
+
+
+def chat_prompt(req: ChatCompletionRequest, tokenizer: Tokenizer,
+                constraint: Constraint | None = None) -> tuple[list[int], ToolPlan | None]:
     """The token ids of a chat request's prompt (its messages and the tools it offers, in the
-    model's template), and its tool plan."""
+    model's template), and its tool plan (whose grammar holds `constraint`'s format)."""
     if not req.messages:
         raise BadRequest("messages must not be empty", "messages")
-    plan = plan_tools(req)
+    plan = plan_tools(req, constraint)
     messages, tools = render_input([_message(i, m) for i, m in enumerate(req.messages)], plan,
                                    tokenizer.template_takes_tools)
+    taken = _TEMPLATE_ARGUMENTS.intersection(req.chat_template_kwargs or {})
+    if taken:
+        raise BadRequest(f"chat_template_kwargs may not set {', '.join(sorted(taken))}: the request's own fields do",
+                         "chat_template_kwargs")
     try:
-        ids = tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt, tools=tools)
+        ids = tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt, tools=tools,
+                                    template_kwargs=req.chat_template_kwargs)
     except TemplateError as exc:
         raise BadRequest(f"the chat template rejected the messages: {exc}", "messages") from exc
     if not ids:
@@ -128,7 +140,7 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer: Tokenizer) -> tuple[list[
 def _message(index: int, message: ChatMessage) -> dict[str, Any]:
     """The message as the chat template sees it (Hugging Face's form); `name`
     goes along for templates that use it."""
-    check_message_fields(index, message.model_extra)
+    check_message_fields(index, message.role, message.model_extra)
     if message.role not in CHAT_ROLES:
         raise BadRequest(f"unknown message role {message.role!r}: expected one of {', '.join(CHAT_ROLES)}", "messages")
     if message.tool_calls and message.role != "assistant":
@@ -162,50 +174,6 @@ def _message_text(message: ChatMessage) -> str:
     return "".join(texts)
 
 
-def guided_grammar(req: SamplingFields) -> str | None:
-    """The request's structured-output constraint as grammar text (compiled and
-    checked here, in prepare's thread, off the event loop); None if it has none."""
-    given: list[tuple[str, GrammarKind, Any]] = []
-    fmt = req.response_format
-    if fmt is not None:
-        kind = fmt.get("type")
-        if kind == "json_object":
-            given.append(("response_format", GrammarKind.JSON_OBJECT, None))
-        elif kind == "json_schema":
-            spec = fmt.get("json_schema")
-            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
-                raise BadRequest("response_format.json_schema must be an object with a `schema` object", "response_format")
-            # No schema: any JSON value is allowed, as OpenAI's non-strict mode reads it.
-            given.append(("response_format", GrammarKind.JSON_SCHEMA, spec.get("schema", {})))
-        elif kind != "text":
-            raise BadRequest(f"response_format.type must be text, json_object or json_schema, got {kind!r}",
-                             "response_format")
-    guided_json = req.guided_json
-    if isinstance(guided_json, str):
-        try:
-            guided_json = json.loads(guided_json)
-        except ValueError as exc:
-            raise BadRequest(f"guided_json is not JSON: {exc}", "guided_json") from None
-    for name, kind_, value in (("guided_json", GrammarKind.JSON_SCHEMA, guided_json),
-                               ("guided_regex", GrammarKind.REGEX, req.guided_regex),
-                               ("guided_choice", GrammarKind.CHOICE, req.guided_choice),
-                               ("guided_grammar", GrammarKind.LARK, req.guided_grammar)):
-        if value is not None:
-            given.append((name, kind_, value))
-    if not given:
-        return None
-    if len(given) > 1:
-        raise BadRequest(f"only one structured-output constraint per request, got {', '.join(g[0] for g in given)}",
-                         given[1][0])
-    field, kind_, value = given[0]
-    if req.ignore_eos:
-        raise BadRequest(f"{field} cannot be combined with ignore_eos: the output ends where the grammar does", field)
-    try:
-        return build_grammar(kind_, value)
-    except ValueError as exc:
-        raise BadRequest(f"{field}: {exc}", field) from None
-
-
 def check_token_ids(ids: list[int] | tuple[int, ...], model: ModelInfo, field: str = "prompt") -> None:
     bad = [i for i in ids if not 0 <= i < model.vocab_size]
     if bad:
@@ -231,7 +199,7 @@ def _logit_bias(req: SamplingFields, model: ModelInfo) -> tuple[tuple[int, float
 
 def _sampling_params(
     req: SamplingFields, max_tokens: int | None, logprobs: int | None, prompt_ids: list[int], model: ModelInfo,
-    prompt_logprobs: int | None = None,
+    prompt_logprobs: int | None = None, grammar: str | None = None,
 ) -> SamplingParams:
     room = model.max_model_len - len(prompt_ids)
     if room < 1:
@@ -253,7 +221,6 @@ def _sampling_params(
     if req.prompt_logprobs is not None and req.stream and isinstance(req, ChatCompletionRequest):
         # A chat chunk has no place for them (vLLM refuses them too); completions stream them.
         raise BadRequest("prompt_logprobs cannot be streamed on chat completions", "prompt_logprobs")
-    grammar = guided_grammar(req)
     if req.min_tokens and grammar is not None:
         # The grammar may allow nothing but its end where min_tokens forbids it.
         raise BadRequest("min_tokens cannot be combined with a structured-output constraint", "min_tokens")

@@ -14,7 +14,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
 
 def random_id(prefix: str) -> str:
@@ -49,19 +49,33 @@ _REQUEST = ConfigDict(extra="forbid", strict=True)
 _BODY = ConfigDict(extra="allow", strict=True)
 
 
-class StreamOptions(BaseModel):
+class NullMeansDefault(BaseModel):
+    """OpenAI's optional fields are nullable: a declared field sent as null gets
+    its default, as when it is left out (clients write `"n": null`, `"stream": null`)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_to_defaults(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
+
+
+class StreamOptions(NullMeansDefault):
     model_config = _REQUEST
 
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries its choice's usage
+    # OpenAI's padding of chunks against a network side channel: accepted, none is added.
+    include_obfuscation: bool = False
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(NullMeansDefault):
     """Fields both endpoints share."""
 
     model_config = _BODY
 
-    model: str
+    model: str | None = None  # None: the served model (as vLLM)
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -79,12 +93,14 @@ class SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     return_token_ids: bool = False
     user: str | None = None
-    # Structured outputs: OpenAI's response_format, vLLM's guided_* (prepare.guided_grammar).
+    # Structured outputs: OpenAI's response_format, vLLM's guided_* (structured.py).
     response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's newer form of guided_*: {"json": ...}, {"regex": ...}, {"choice": [...]} or {"grammar": ...}.
+    structured_outputs: dict[str, Any] | None = None
     # Token id (a JSON key, so a string) -> value added to its logit, in [-100, 100].
     logit_bias: dict[str, float] | None = None
     min_tokens: int = 0  # vLLM's: no end of sequence, stop token or stop string before this many
@@ -136,14 +152,26 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
+class HistoryFunctionCall(FunctionCall):
+    # The openai client's parse()/stream() helpers add the arguments parsed, output only: ignored.
+    parsed_arguments: Any = None
+
+
+class HistoryToolCall(ToolCall):
+    """A call of an assistant message replayed as history."""
+
+    index: int | None = None  # a streamed delta's place, which stream helpers leave on: ignored
+    function: HistoryFunctionCall
+
+
 class ChatMessage(BaseModel):
-    model_config = _BODY  # a replayed response message carries null `refusal`, `audio`, ...
+    model_config = _BODY  # a replayed response message carries `refusal`, `annotations`, ... (fields.py)
 
     role: str
     # OpenAI's content parts: only {"type": "text", "text": ...} carry meaning here.
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
-    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_calls: list[HistoryToolCall] | None = None  # an assistant's calls
     tool_call_id: str | None = None  # a tool message answers this call
 
 
@@ -154,6 +182,7 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: further variables of the chat template
     tools: list[ToolSpec] | None = None
     # "none", "auto", "required" or {"type": "function", "function": {"name": ...}}; checked in tools.py.
     tool_choice: str | dict[str, Any] | None = None
@@ -166,7 +195,7 @@ class TokenizeRequest(BaseModel):
 
     model_config = _REQUEST
 
-    model: str
+    model: str | None = None
     prompt: str | None = None
     add_special_tokens: bool = True  # a prompt's BOS and the like
     messages: list[ChatMessage] | None = None
@@ -179,7 +208,7 @@ class TokenizeRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     model_config = _REQUEST
 
-    model: str
+    model: str | None = None
     tokens: list[int]
 
 

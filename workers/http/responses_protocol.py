@@ -38,7 +38,7 @@ class TextConfig(BaseModel):
 class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
-    model: str
+    model: str | None = None  # None: the served model (as vLLM)
     input: str | list[dict[str, Any]]
     instructions: str | None = None  # a system message before the input
     max_output_tokens: int | None = None

@@ -46,6 +46,7 @@ from disagg.workers.http.protocol import (
     PromptTokensDetails,
     ToolCall,
     UsageInfo,
+    now,
 )
 from disagg.workers.metrics import RequestOutcome, WorkerMetrics
 
@@ -101,6 +102,7 @@ class Call:
     continuous_usage: bool = False  # streaming only: each chunk also carries its choice's usage so far
     prompt_logprobs: int | None = None  # vLLM's `prompt_logprobs` asked for: this many alternatives
     arrival: float = field(default_factory=time.monotonic)
+    created: int = field(default_factory=now)  # every chunk of a stream carries the same, as OpenAI's
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -199,7 +201,7 @@ class OpenAIServing:
         usage = call.usage(choices)
         if call.kind == "chat":
             return ChatCompletionResponse(
-                id=call.request_id, model=call.model_name, usage=usage,
+                id=call.request_id, created=call.created, model=call.model_name, usage=usage,
                 prompt_logprobs=self._prompt_logprobs(call, choices[0]),
                 choices=[
                     ChatChoice(
@@ -214,7 +216,7 @@ class OpenAIServing:
                 ],
             )
         return CompletionResponse(
-            id=call.request_id, model=call.model_name, usage=usage,
+            id=call.request_id, created=call.created, model=call.model_name, usage=usage,
             choices=[
                 CompletionChoice(
                     index=c.index,
@@ -252,10 +254,9 @@ class OpenAIServing:
                         yield _sse(self._with_usage(call, choice, chunk))
             if call.include_usage:
                 usage = call.usage(choices)
-                if call.kind == "chat":
-                    yield _sse(ChatCompletionChunk(id=call.request_id, model=call.model_name, choices=[], usage=usage))
-                else:
-                    yield _sse(CompletionResponse(id=call.request_id, model=call.model_name, choices=[], usage=usage))
+                kind = ChatCompletionChunk if call.kind == "chat" else CompletionResponse
+                yield _sse(kind(id=call.request_id, created=call.created, model=call.model_name, choices=[],
+                                usage=usage))
         except ClientDisconnected:
             return
         except APIError as exc:  # the status line is already sent: report in band
@@ -293,7 +294,7 @@ class OpenAIServing:
         echo_text = self._echo_text(call, choice) if first else ""
         offset = len(echo_text) + len(choice.text) - len(out.new_text)
         return CompletionResponse(
-            id=call.request_id, model=call.model_name,
+            id=call.request_id, created=call.created, model=call.model_name,
             choices=[
                 CompletionChoice(
                     index=choice.index, text=echo_text + out.new_text,
@@ -314,7 +315,7 @@ class OpenAIServing:
     @staticmethod
     def _chat_chunk(call: Call, choice: Choice, delta: ChatDelta, **fields: object) -> ChatCompletionChunk:
         return ChatCompletionChunk(
-            id=call.request_id, model=call.model_name,
+            id=call.request_id, created=call.created, model=call.model_name,
             choices=[ChatChunkChoice(index=choice.index, delta=delta, **fields)],  # type: ignore[arg-type]
         )
 

@@ -5,10 +5,14 @@ everything else stays text (docs/openai-api.md, "Tool calling")."""
 from __future__ import annotations
 
 import json
+import re
 import uuid
 
 from disagg.workers.http.protocol import FunctionCall, FunctionCallDelta, ToolCall, ToolCallDelta
 from disagg.workers.http.tools import CALL_CLOSE, CALL_OPEN, ToolPlan
+
+# The start of an enforced block's body: the function's name, whole when its closing quote came.
+_CUT_NAME = re.compile(r'\s*\{"name":"([A-Za-z0-9_-]*)(")?')
 
 
 class ToolCallParser:
@@ -19,12 +23,17 @@ class ToolCallParser:
     so content streamed in pieces equals content parsed whole. A call block
     that is not a JSON object of an offered function's `name` and object
     `arguments` stays text; with parallel_tool_calls false, so does every
-    block after the first call.
+    block after the first call. Where a grammar enforces the format, a block
+    cut short (by max_tokens) is a call with its arguments as far as written,
+    and a cut `<tool_call>` of a calls-only output is dropped: both are the
+    format's markup, never the model's text.
     """
 
     def __init__(self, plan: ToolPlan) -> None:
         self._names = plan.callable_names
         self._parallel = plan.parallel
+        self._enforced = plan.enforced
+        self._calls_only = plan.calls_only
         self._pending = ""  # not judged yet
         self._space = ""  # trailing whitespace of the content: dropped if a call follows
         self._after_call = False
@@ -40,6 +49,8 @@ class ToolCallParser:
             may_call = self._parallel or not self.calls
             start = self._pending.find(CALL_OPEN) if may_call else -1
             if start < 0:
+                if final and self._calls_only:
+                    self._pending = self._pending[:len(self._pending) - _partial_open(self._pending)]
                 keep = 0 if final or not may_call else _partial_open(self._pending)
                 self._text(self._pending[:len(self._pending) - keep], content)
                 self._pending = self._pending[len(self._pending) - keep:]
@@ -49,8 +60,7 @@ class ToolCallParser:
             end = self._pending.find(CALL_CLOSE)
             if end < 0:
                 if final:
-                    self._text(self._pending, content)
-                    self._pending = ""
+                    self._flush_open_block(content)
                 break
             block, self._pending = self._pending[:end + len(CALL_CLOSE)], self._pending[end + len(CALL_CLOSE):]
             call = self._call(block[len(CALL_OPEN):end])
@@ -66,6 +76,14 @@ class ToolCallParser:
                                 function=FunctionCallDelta(name=c.function.name, arguments=c.function.arguments))
                   for i, c in enumerate(self.calls[first_new:], start=first_new)]
         return "".join(content), deltas
+
+    def _flush_open_block(self, out: list[str]) -> None:
+        """The output ended inside a block: under an enforced format, a call cut short; else text."""
+        if not self._enforced:
+            self._text(self._pending, out)
+        elif (cut := self._cut_call(self._pending[len(CALL_OPEN):])) is not None:
+            self.calls.append(cut)
+        self._pending = ""
 
     def _text(self, text: str, out: list[str]) -> None:
         if self._after_call:
@@ -93,8 +111,23 @@ class ToolCallParser:
         name, arguments = value["name"], value["arguments"]
         if name not in self._names or not isinstance(arguments, dict):
             return None
-        return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}",
-                        function=FunctionCall(name=name, arguments=json.dumps(arguments, ensure_ascii=False)))
+        return _new_call(name, json.dumps(arguments, ensure_ascii=False))
+
+    def _cut_call(self, body: str) -> ToolCall | None:
+        """A block of the enforced format (`{"name":"N","arguments":...`) cut short: a call of
+        the one function its name (or the start of it) can be, arguments as written so far."""
+        head = _CUT_NAME.match(body)
+        if head is None:
+            return None
+        name, closed = head.group(1), head.group(2)
+        names = [n for n in self._names if n == name or (not closed and n.startswith(name))]
+        if len(names) != 1:
+            return None
+        return _new_call(names[0], body.partition('"arguments":')[2])
+
+
+def _new_call(name: str, arguments: str) -> ToolCall:
+    return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name=name, arguments=arguments))
 
 
 def _partial_open(text: str) -> int:

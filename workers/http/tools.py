@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -36,6 +37,7 @@ from typing import Any
 from disagg.workers.engine.grammar import GrammarKind, build_grammar, lark_json
 from disagg.workers.http.errors import BadRequest
 from disagg.workers.http.protocol import ChatCompletionRequest, ToolCall, ToolSpec
+from disagg.workers.http.structured import Constraint
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
@@ -71,7 +73,12 @@ class ToolPlan:
         """Whether the call format is enforced by a grammar: `required`, a named
         function, or `auto` with a function that asks for `strict` arguments."""
         strict = self.choice is ToolChoice.AUTO and any(t.function.strict for t in self.tools)
-        return strict or self.choice in (ToolChoice.REQUIRED, ToolChoice.NAMED)
+        return strict or self.calls_only
+
+    @property
+    def calls_only(self) -> bool:
+        """Whether the output is nothing but calls (`required` or a named function)."""
+        return self.choice in (ToolChoice.REQUIRED, ToolChoice.NAMED)
 
     @property
     def callable_names(self) -> frozenset[str]:
@@ -82,9 +89,10 @@ class ToolPlan:
         return [t.model_dump(exclude_none=True) for t in self.tools]
 
 
-def plan_tools(req: ChatCompletionRequest) -> ToolPlan | None:
+def plan_tools(req: ChatCompletionRequest, constraint: Constraint | None = None) -> ToolPlan | None:
     """The request's tool plan, checked (400s naming `tools` or `tool_choice`);
-    None when it offers no tools."""
+    None when it offers no tools. An enforced plan's grammar holds the request's
+    structured-output `constraint`, which must be a JSON format."""
     tools = tuple(req.tools or ())
     _check_tools(tools)
     choice, named = _tool_choice(req.tool_choice, tools)
@@ -96,7 +104,11 @@ def plan_tools(req: ChatCompletionRequest) -> ToolPlan | None:
     if req.ignore_eos:
         raise BadRequest("tool_choice required, a named function or strict tools cannot be combined with "
                          "ignore_eos: the output ends where the enforced call format does", "tool_choice")
-    return ToolPlan(tools, choice, req.parallel_tool_calls, named, _call_grammar(plan))
+    text_schema = None if constraint is None else constraint.json_schema
+    if constraint is not None and text_schema is None:
+        raise BadRequest(f"{constraint.field} cannot be combined with tool_choice required, a named function or "
+                         "strict tools: only a JSON format (response_format, guided_json) can", "tool_choice")
+    return ToolPlan(tools, choice, req.parallel_tool_calls, named, _call_grammar(plan, text_schema))
 
 
 def _check_tools(tools: tuple[ToolSpec, ...]) -> None:
@@ -145,11 +157,13 @@ def _tool_choice(value: str | dict[str, Any] | None, tools: tuple[ToolSpec, ...]
 # --- the enforced format --------------------------------------------------
 
 
-def _call_grammar(plan: ToolPlan) -> str:
+def _call_grammar(plan: ToolPlan, text_schema: dict[str, Any] | None) -> str:
     """Lark: the call blocks, each a call of one callable function with
     arguments valid under its schema; one block (named, or parallel_tool_calls
     false) or blocks separated by newlines. In `auto`, text (which never holds
-    a call's start) may stand alone or come before the blocks."""
+    a call's start) may stand alone or come before the blocks; with a
+    `text_schema` (the request's JSON format) the output is either that JSON
+    or the blocks. `required` and named calls leave no text to format."""
     lines = []
     specs = [t for t in plan.tools if t.function.name in plan.callable_names]
     tail = json.dumps(f"}}\n{CALL_CLOSE}")
@@ -159,7 +173,9 @@ def _call_grammar(plan: ToolPlan) -> str:
         lines.append(f"args_{i}: {lark_json(tool.function.parameters or _NO_ARGUMENTS)}")
     separator = json.dumps("\n" + CALL_OPEN)
     more = f"({separator} body)*" if plan.named is None and plan.parallel else ""
-    if plan.choice is ToolChoice.AUTO:
+    if plan.choice is ToolChoice.AUTO and text_schema is not None:
+        start = [f"start: answer | {json.dumps(CALL_OPEN)} body {more}", f"answer: {lark_json(text_schema)}"]
+    elif plan.choice is ToolChoice.AUTO:
         # NOTE: one lexeme for the text and the first opening tag: llguidance's lexer
         # does not backtrack, so text then a separate tag lexeme would never match.
         start = [f"start: (TEXT | OPENER body {more})?",
@@ -180,12 +196,13 @@ def format_call(name: str, arguments: dict[str, Any]) -> str:
 # --- the prompt -------------------------------------------------------------
 
 
-def history_calls(index: int, calls: list[ToolCall]) -> list[dict[str, Any]]:
+def history_calls(index: int, calls: Sequence[ToolCall]) -> list[dict[str, Any]]:
     """An assistant message's calls in Hugging Face's form (arguments as an object)."""
     rendered = []
     for call in calls:
         try:
-            arguments = json.loads(call.function.arguments)
+            # "" is how some clients and servers (vLLM's streams) write a call without arguments.
+            arguments = json.loads(call.function.arguments or "{}")
         except ValueError:
             arguments = None
         if not isinstance(arguments, dict):
