@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable, Generator
@@ -30,6 +32,7 @@ from disagg.workers import tracing
 from disagg.workers.config import Role, ServerConfig
 from disagg.workers.engine.config import EngineConfig
 from disagg.workers.heap import freeze_startup_heap
+from disagg.workers.local import LOOPBACK
 from disagg.workers.http.app import AppState, build_admin_app, build_app
 from disagg.workers.http.backend import Backend, Health
 from disagg.workers.http.edge import Admission, max_in_flight
@@ -140,11 +143,42 @@ ROLES: dict[Role, RoleSpec] = {
 class _UvicornServer(uvicorn.Server):
     """uvicorn's server, minus its own signal handling: `serve` below owns the
     signals, so that the whole worker (engine included) shuts down on them and
-    the process exits 0 rather than re-raising the signal."""
+    the process exits 0 rather than re-raising the signal. Bound to a pod's own
+    address, it listens on loopback too (`loopback_listener`)."""
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
         yield
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        loopback = loopback_listener(self.config.host, self.config.port) if sockets is None else None
+        await super().serve(None if loopback is None else [self.config.bind_socket(), loopback])
+
+
+def loopback_listener(host: str, port: int) -> socket.socket | None:
+    """A socket bound to 127.0.0.1:`port` when `host` is one non-loopback IPv4 address, else None.
+
+    The operator binds workers to their pod's IP, and `kubectl port-forward` connects to
+    localhost inside the pod, which nothing else would listen on. Best effort: where
+    another worker of the host has that loopback port, this one does without."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return None  # a name: what it resolves to is the listener's
+    if address.version != 4 or address.is_loopback or address.is_unspecified:
+        return None
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((LOOPBACK, port))
+    except OSError as exc:
+        sock.close()
+        log.warning("not listening on %s:%d as well (%s): kubectl port-forward will not reach this port",
+                    LOOPBACK, port, exc)
+        return None
+    sock.set_inheritable(True)
+    log.info("also listening on %s:%d, for kubectl port-forward", LOOPBACK, port)
+    return sock
 
 
 def run(engine_config: EngineConfig, server_config: ServerConfig) -> int:

@@ -28,6 +28,7 @@ from disagg.workers.demo import running_pair
 from disagg.workers.engine.config import EngineConfig
 from disagg.workers.heap import freeze_startup_heap
 from disagg.workers.local import free_port
+from disagg.workers.server import loopback_listener
 
 SERVE = [sys.executable, "-m", "disagg.workers", "serve"]
 
@@ -272,3 +273,19 @@ def test_a_started_worker_freezes_its_start_up_heap(served: Any) -> None:
     match = re.search(r"\((\d+) start-up objects frozen", served.log())
     assert match, served.log()[-2000:]
     assert int(match.group(1)) > 10_000  # torch, gRPC, FastAPI and the model: far more than this
+
+
+def test_a_worker_bound_to_its_pod_address_listens_on_loopback_too() -> None:
+    """kubectl port-forward connects to localhost inside the pod; the operator binds workers to the
+    pod's IP. (Only the loopback side is bound here: tests use loopback addresses only.)"""
+    port = free_port()
+    sock = loopback_listener("10.244.1.7", port)  # a pod's address
+    assert sock is not None
+    try:
+        assert sock.getsockname() == ("127.0.0.1", port)
+        sock.listen()  # as uvicorn's server does
+        assert loopback_listener("10.244.1.7", port) is None  # taken: best effort, no failure
+    finally:
+        sock.close()
+    for host in ("127.0.0.5", "0.0.0.0", "localhost", "::1"):  # loopback or every address already
+        assert loopback_listener(host, port) is None, host
