@@ -13,7 +13,6 @@ import json
 import time
 from typing import Any
 
-import httpx
 import kopf
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
@@ -21,6 +20,7 @@ from kubernetes.config.config_exception import ConfigException
 
 from disagg.operator.controller import ClusterController, Deps
 from disagg.operator.crd import GROUP, PLURAL, ROLE_PLURAL, VERSION
+from disagg.operator.http_client import BoundedClient
 from disagg.operator.kube import KubeApi
 from disagg.operator.link_client import LinkClient
 from disagg.operator.manifests import CLUSTER_LABEL
@@ -30,6 +30,7 @@ from disagg.operator.settings import OperatorSettings, configure
 from disagg.operator.spec import parse_spec
 
 CLUSTERS = (GROUP, VERSION, PLURAL)
+WORKER_HTTP_TIMEOUT_S = 5.0  # one whole call to a worker's /health, /metrics or /drain
 ROLES = (GROUP, VERSION, ROLE_PLURAL)
 OF_A_CLUSTER = {CLUSTER_LABEL: kopf.PRESENT}  # the label selector of our worker pods and DisaggRoles
 
@@ -87,7 +88,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
             settings=ours,
             kube=KubeApi(_api_client(memo.get("kubeconfig")), ours.api_timeout_s),
             links=LinkClient(ours.link_timeout_s, ours.link_concurrency),
-            http=httpx.AsyncClient(timeout=httpx.Timeout(5.0)),
+            http=BoundedClient(WORKER_HTTP_TIMEOUT_S),
             metrics=OperatorMetrics(),
         ))
     if ours.metrics_port:

@@ -7,6 +7,7 @@ a real worker process.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import json
@@ -17,8 +18,10 @@ from typing import Any
 
 import httpx
 import pytest
+from starlette.requests import Request
 
-from disagg.workers.http.edge import MAX_BODY_BYTES
+from disagg.workers.http.edge import MAX_BODY_BYTES, read_body
+from disagg.workers.http.errors import BodyTimeout
 
 API_KEY = "sk-test-edge"
 COMPLETIONS = "/v1/completions"
@@ -80,6 +83,18 @@ def test_an_oversized_chunked_body_is_413(http: httpx.Client) -> None:
 
     _assert_error(http.post(COMPLETIONS, content=body(), headers={"content-type": "application/json"}), 413, "larger")
     assert http.post(COMPLETIONS, json=_completion()).status_code == 200
+
+
+async def test_a_body_that_never_comes_is_a_408() -> None:
+    """A client that sends headers and then trickles (or holds) its body: cut at one deadline."""
+    async def stalled() -> dict[str, Any]:  # the ASGI receive of a body that does not come
+        await asyncio.sleep(60)
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    request = Request({"type": "http", "method": "POST", "headers": [(b"content-length", b"10")]}, stalled)
+    with pytest.raises(BodyTimeout) as err:
+        await read_body(request, timeout_s=0.2)
+    assert err.value.status == 408
 
 
 def test_a_large_body_does_not_stall_the_loop(served: Any, http: httpx.Client) -> None:

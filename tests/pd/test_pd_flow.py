@@ -19,7 +19,7 @@ from disagg.workers.http.errors import role_api_error
 from disagg.workers.pd.config import PDConfig
 from disagg.workers.pd.convert import SAMPLING_EXTRAS_KEY, request_to_proto
 from disagg.workers.pd.errors import DecodeFailed, NoDecodeAvailable
-from disagg.workers.pd.messages import NewRequest
+from disagg.workers.pd.messages import FirstToken, NewRequest, TransferMode
 from disagg.workers.security.control import control_channel
 
 NUM_KV_BLOCKS = 128  # the pool of every worker of pd_pair (conftest.py)
@@ -365,3 +365,15 @@ async def test_a_decode_whose_engine_stopped_answers_unavailable(pd_pair: Callab
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await pair.stub.AddNewRequests(pb.DisaggRequests(prefill_name=name, reqs=[req]), timeout=5)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "not running" in (err.value.details() or "")
+
+
+async def test_a_request_dropped_before_its_stream_ran_frees_its_blocks(pd_pair: Callable[..., Any]) -> None:
+    """A link lost in the same tick as a FirstGeneration: the stream's task is cancelled before it
+    ever admitted the request, so only the drop's abort can free the reserved blocks."""
+    async with pd_pair() as pair:
+        name, decode = pair.prefill_config.instance_name, pair.decode.role
+        [reservation] = await decode.add_requests(name, [NewRequest("early", prompt_of(9), GREEDY, name)])
+        assert reservation.block_ids and free_blocks(pair)[1] < NUM_KV_BLOCKS
+        await decode.first_generation(FirstToken("early", 5, None, TransferMode.PUSH))
+        await decode._drop("early", "its prefill went away")  # no await ran the task in between
+        await wait_for(lambda: free_blocks(pair) == (NUM_KV_BLOCKS, NUM_KV_BLOCKS), "the reserved blocks are freed")

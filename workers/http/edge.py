@@ -4,6 +4,7 @@ shape, once read."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
@@ -13,11 +14,12 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
-from disagg.workers.http.errors import BodyTooLarge, Overloaded, Unauthorized
+from disagg.workers.http.errors import BodyTimeout, BodyTooLarge, Overloaded, Unauthorized
 
 # Far above any prompt that fits a context (128k tokens as JSON ids is ~1 MB),
 # far below what blocks a parse for long (20 MB took seconds).
 MAX_BODY_BYTES = 8 * 1024 * 1024
+BODY_TIMEOUT_S = 60.0  # a body trickled slower than this holds a connection for nothing (slow loris)
 # Requests held per request the engine batches, when --max-queued-requests is unset.
 DEFAULT_QUEUE_PER_SEQ = 4
 RETRY_AFTER_S = 1
@@ -50,19 +52,24 @@ def parse_body(kind: type[Body], raw: bytes) -> Body:
         raise RequestValidationError(exc.errors(include_url=False)) from None
 
 
-async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
+async def read_body(request: Request, limit: int = MAX_BODY_BYTES, timeout_s: float = BODY_TIMEOUT_S) -> bytes:
     """The body, refused (413) as soon as it is known to exceed `limit`: from its
-    Content-Length before reading, or while reading a chunked one."""
+    Content-Length before reading, or while reading a chunked one; 408 when it has
+    not all come within `timeout_s`."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise BodyTooLarge(limit)
     chunks = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLarge(limit)
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise BodyTooLarge(limit)
+                chunks.append(chunk)
+    except TimeoutError:
+        raise BodyTimeout(timeout_s) from None
     return b"".join(chunks)
 
 

@@ -85,6 +85,11 @@ class BodyTooLarge(APIError):
         super().__init__(f"the request body is larger than {limit} bytes", 413, "invalid_request_error")
 
 
+class BodyTimeout(APIError):
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(f"the request body did not arrive within {timeout_s:.0f} s", 408, "invalid_request_error")
+
+
 class Overloaded(APIError):
     def __init__(self, limit: int, retry_after_s: int) -> None:
         super().__init__(f"the server is at its limit of {limit} requests in flight; retry after {retry_after_s} s",

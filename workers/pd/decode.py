@@ -27,7 +27,7 @@ from opentelemetry.util.types import AttributeValue
 
 from disagg.proto.vocabulary import InstanceInfo
 from disagg.workers import tracing
-from disagg.workers.engine.async_engine import AsyncEngine, EngineStats
+from disagg.workers.engine.async_engine import AsyncEngine, EngineError, EngineStats
 from disagg.workers.engine.llm_engine import LLMEngine, OutOfBlocks, PromptTooLarge
 from disagg.workers.engine.outputs import FinishReason, RequestOutput
 from disagg.workers.engine.tokenizer import Tokenizer
@@ -180,8 +180,11 @@ class DecodeRole(EngineHealth["AsyncEngine[LLMEngine]"]):
             blocks, num_cached = await asyncio.shield(reservation)
         except asyncio.CancelledError:
             # The caller gave up (its deadline) while the engine was busy: the engine still runs the
-            # reservation, and nobody would ever free it. Free it behind the call, if it reserved.
+            # reservation, and nobody would ever free it. Free it behind the call.
             reservation.add_done_callback(lambda done: self._release_abandoned(req.req_id, done))
+            raise
+        except EngineError:
+            self._engine.abort(req.req_id)  # a call that timed out may still run: the abort queues behind it
             raise
         except PromptTooLarge:
             return Reservation(req.req_id, Admission.TOO_LARGE, [])
@@ -197,8 +200,9 @@ class DecodeRole(EngineHealth["AsyncEngine[LLMEngine]"]):
         return Reservation(req.req_id, Admission.OK, blocks, num_cached)
 
     def _release_abandoned(self, req_id: str, reservation: asyncio.Future[tuple[list[int], int]]) -> None:
-        if not reservation.cancelled() and reservation.exception() is None:
-            self._engine.abort(req_id)
+        if not reservation.cancelled():
+            reservation.exception()  # retrieved: nobody else awaits it
+            self._engine.abort(req_id)  # what it reserved; a no-op if it reserved nothing
 
     async def first_generation(self, first: FirstToken) -> None:
         """Take in the KV (PULL) and start generating; on any failure the request is freed."""
@@ -253,6 +257,8 @@ class DecodeRole(EngineHealth["AsyncEngine[LLMEngine]"]):
             await asyncio.wait([pulling])  # the blocks are freed next: not while the pull still writes them
             raise
         except TransferTimeout as exc:
+            # Its DATA may still come, into blocks freed next: only closing the link stops it.
+            self._close_link(inc.prefill, f"pulling the KV of {inc.req.req_id} timed out")
             raise PeerTimeout(f"pulling the KV of {inc.req.req_id}: {exc}") from exc
         except TransferError as exc:
             raise PeerUnavailable(f"pulling the KV of {inc.req.req_id}: {exc}") from exc
@@ -307,14 +313,26 @@ class DecodeRole(EngineHealth["AsyncEngine[LLMEngine]"]):
 
     async def _drop(self, req_id: str, reason: str) -> None:
         inc = self._incoming.pop(req_id, None)
-        await revoke_settled(self._transport.access, req_id, self._config.transfer_timeout_s)
         if inc is None:
+            self._transport.access.revoke(req_id)
             return
         log.info("dropping request %s: %s", req_id, reason)
         if inc.task is not None:
             inc.task.cancel()
-        else:
-            await self._engine.call(lambda e: e.abort_request(req_id))
+        try:
+            if not await revoke_settled(self._transport.access, req_id, self._config.transfer_timeout_s):
+                self._close_link(inc.prefill, f"a frame of {req_id} still wrote its blocks when they were freed")
+        finally:
+            # Queued at once, even by a cancelled drop, and even for a task cancelled before it ran
+            # (it never admitted the request: only the abort frees its reserved blocks).
+            self._engine.abort(req_id)
+
+    def _close_link(self, prefill: str, reason: str) -> None:
+        """Close the data path to `prefill`: its frames stop where they are."""
+        session = self.peers.get(prefill)
+        if session is not None:
+            log.warning("closing the data path to prefill %s: %s", prefill, reason)
+            session.close()
 
     async def _sweep(self) -> None:
         while True:

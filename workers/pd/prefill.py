@@ -273,7 +273,7 @@ class PrefillRole(EngineHealth["AsyncEngine[LLMEngine]"]):
         except Exception as exc:  # any failure ends this request with an error, never a hang
             log.warning("request %s failed: %s", call.req_id, exc)
             error = exc
-            await self._cleanup(call)
+            await asyncio.shield(self._cleanup(call))  # a client gone meanwhile must not cut it short
         finally:
             await asyncio.shield(self._release(call))
         if error is not None and migrated:

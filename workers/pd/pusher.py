@@ -120,5 +120,8 @@ class KVPusher:
         return on_layer
 
     def _wait_all(self, target: _Target) -> None:
+        """One bound for all of the request's layers, not one per layer (a decode that answers each
+        just inside it would stretch the wait to layers x the bound)."""
+        deadline = time.monotonic() + self._timeout_s
         for handle in target.handles:
-            handle.wait(self._timeout_s)
+            handle.wait(max(deadline - time.monotonic(), 0.0))

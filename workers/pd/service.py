@@ -28,6 +28,7 @@ from disagg.proto.vocabulary import InstanceInfo
 from disagg.workers import tracing
 from disagg.workers.engine.async_engine import EngineError
 from disagg.workers.engine.outputs import RequestOutput
+from disagg.workers.http.edge import read_body
 from disagg.workers.pd import convert, errors
 from disagg.workers.pd.messages import Admission, FirstToken, NewRequest, Reservation
 from disagg.workers.security.control import HTTP_HEADER, REFUSAL, AuthInterceptor, ControlGuard, http_method
@@ -277,7 +278,7 @@ def add_link_routes(app: FastAPI, role: Callable[[], Handlers | None], guard: Co
         if current is None:
             return _http_error(grpc.StatusCode.UNAVAILABLE, "the worker is still loading its model")
         try:
-            msg = json_format.Parse(await request.body(), pb.InstanceClusterInfo())
+            msg = json_format.Parse(await read_body(request), pb.InstanceClusterInfo())
         except (json_format.ParseError, ValueError) as exc:
             return _http_error(grpc.StatusCode.INVALID_ARGUMENT, f"bad InstanceClusterInfo: {exc}")
         try:

@@ -126,9 +126,12 @@ class BlockAccess:
             return len(self._grants)
 
 
-async def revoke_settled(access: BlockAccess, req_id: str, timeout: float) -> None:
+async def revoke_settled(access: BlockAccess, req_id: str, timeout: float) -> bool:
     """Revoke `req_id`'s grant, then wait (off the event loop, at most `timeout` s) until no frame
-    moves its blocks any more: after this they may be freed."""
+    moves its blocks any more; False when one still does (the caller closes that peer's link
+    before it frees them)."""
     blocks = access.revoke(req_id)
     if blocks and access.in_use(blocks) and not await asyncio.to_thread(access.wait_unused, blocks, timeout):
-        logger.warning("request %s: a frame still moves its blocks after %.0f s; freeing them anyway", req_id, timeout)
+        logger.warning("request %s: a frame still moves its blocks after %.0f s", req_id, timeout)
+        return False
+    return True
