@@ -12,7 +12,7 @@ import concurrent.futures
 import contextlib
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ import httpx
 import pytest
 from starlette.requests import Request
 
+from disagg.workers.http.app import AdmittedStream
 from disagg.workers.http.edge import MAX_BODY_BYTES, read_body
 from disagg.workers.http.errors import BodyTimeout
 
@@ -95,6 +96,31 @@ async def test_a_body_that_never_comes_is_a_408() -> None:
     with pytest.raises(BodyTimeout) as err:
         await read_body(request, timeout_s=0.2)
     assert err.value.status == 408
+
+
+async def test_a_stream_whose_client_stopped_reading_is_cut_off_and_gives_everything_back() -> None:
+    """A client that keeps its connection but reads nothing: once the socket's buffers are full, a
+    send waits forever. Each event's send is bounded, and then the slots and the request go."""
+    released, ended = asyncio.Event(), asyncio.Event()
+
+    async def events() -> AsyncGenerator[str, None]:
+        try:
+            while True:
+                yield "data: {}\n\n"
+        finally:
+            ended.set()  # the request's end: the engine frees its blocks here
+
+    async def receive() -> dict[str, Any]:  # the client never disconnects
+        await asyncio.sleep(60)
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:  # the headers go out; the first event never drains
+        if message["type"] == "http.response.body":
+            await asyncio.sleep(60)
+
+    stream = AdmittedStream(events(), released.set, send_timeout_s=0.2)
+    await asyncio.wait_for(stream({"type": "http", "asgi": {"spec_version": "2.3"}}, receive, send), 5)
+    assert released.is_set() and ended.is_set()
 
 
 def test_a_large_body_does_not_stall_the_loop(served: Any, http: httpx.Client) -> None:

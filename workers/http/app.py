@@ -22,6 +22,7 @@ So are the bodies of vLLM's /tokenize and /detokenize.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -49,6 +50,8 @@ from disagg.workers.http.serving import Call, OpenAIServing
 from disagg.workers.http.tokenize import detokenize, tokenize
 from disagg.workers.metrics import CONTENT_TYPE, RequestOutcome, WorkerMetrics
 from disagg.workers.security.key import ClusterKey
+
+log = logging.getLogger(__name__)
 
 # Answer to a request whose client has gone away (nginx's convention); no one reads it.
 _CLIENT_CLOSED = 499
@@ -295,7 +298,7 @@ async def _run(state: AppState, request: Request, call: Call, stream: bool,
     sequences = call.prepared.params.n * len(call.prepared.prompts)
     state.admission.enter(sequences)
     if stream:
-        return _AdmittedStream(events(wait_disconnect), lambda: state.admission.leave(sequences))
+        return AdmittedStream(events(wait_disconnect), lambda: state.admission.leave(sequences))
     try:
         response = await whole(wait_disconnect)
     except ClientDisconnected:
@@ -323,17 +326,39 @@ def _parse_and_prepare_responses(raw: bytes, serving: OpenAIServing, response_id
     return body, prepare_chat(chat, backend.model, backend.tokenizer), template
 
 
-class _AdmittedStream(StreamingResponse):
-    """A stream that gives its admission slots back when it ends, however it ends
-    (a client gone before the first event included)."""
+STREAM_SEND_TIMEOUT_S = 60.0  # the longest one event of a stream may wait for the client to read
 
-    def __init__(self, events: AsyncGenerator[str, None], release: Callable[[], None]) -> None:
+
+class _StreamStalled(Exception):
+    """The client read nothing of its stream for STREAM_SEND_TIMEOUT_S."""
+
+
+class AdmittedStream(StreamingResponse):
+    """A stream that gives its admission slots back when it ends, however it ends
+    (a client gone before the first event included, or one that stopped reading)."""
+
+    def __init__(self, events: AsyncGenerator[str, None], release: Callable[[], None],
+                 send_timeout_s: float = STREAM_SEND_TIMEOUT_S) -> None:
         super().__init__(events, media_type="text/event-stream")
+        self._events = events
         self._release = release
+        self._send_timeout_s = send_timeout_s
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        async def bounded(message: Any) -> None:
+            # A client that keeps its connection but stops reading would hold this send (and the
+            # slots, and its request's blocks) forever once the socket's buffers are full.
+            try:
+                async with asyncio.timeout(self._send_timeout_s):
+                    await send(message)
+            except TimeoutError:
+                raise _StreamStalled from None  # not an OSError, which starlette reads as a disconnect
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, bounded)
+        except _StreamStalled:
+            log.warning("a client read nothing of its stream for %.0f s: it is cut off", self._send_timeout_s)
+            await self._events.aclose()  # ends the request: its blocks are freed now, not at collection
         finally:
             self._release()
 
