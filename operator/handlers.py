@@ -174,8 +174,9 @@ async def reconcile(name: str, namespace: str | None, body: kopf.Body, memo: kop
             except ApiException as e:
                 if e.status in _REFUSED_AS_INVALID:  # an object made from the spec: the spec must change
                     metrics.reconcile_errors.labels("reconcile").inc()
-                    logger.warning("reconcile of %s/%s: %s", namespace, name, _refusal(e))
-                    await controller.report_invalid_spec(body, _refusal(e))
+                    reason = _refusal(e)
+                    logger.warning("reconcile of %s/%s: %s", namespace, name, reason)
+                    await controller.report_invalid_spec(body, reason)
                 elif not _namespace_terminating(e):
                     metrics.reconcile_errors.labels("reconcile").inc()
                     logger.exception("reconcile of %s/%s failed: %s", namespace, name, e)

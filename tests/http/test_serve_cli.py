@@ -12,7 +12,7 @@ import re
 import subprocess
 import sys
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ import pytest
 from disagg.workers import cli
 from disagg.workers.args import add_serve_arguments, build_configs
 from disagg.workers.config import (
-    PREFILL_CPU_STEP_TOKENS, CorsPolicy, default_kv_connections, default_threads, usable_cpus,
+    PREFILL_CPU_STEP_TOKENS, CorsPolicy, ServerConfig, default_kv_connections, default_threads, usable_cpus,
 )
 from disagg.workers.demo import running_pair
 from disagg.workers.engine.config import EngineConfig
@@ -58,54 +58,49 @@ def test_invalid_settings_fail_before_loading() -> None:
     assert result.returncode == 2 and "max_queued_requests must be >= 0" in result.stderr
 
 
-def test_the_api_key_comes_from_the_flag_or_the_environment() -> None:
+def _configs(*flags: str, env: Mapping[str, str] | None = None) -> tuple[EngineConfig, ServerConfig]:
+    """`disagg serve`'s configs from `flags`, as its command line builds them."""
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
-    base = ["--role", "mixed", "--model", "x"]
-    _, server = build_configs(parser.parse_args(base), env={"DISAGG_API_KEY": "from-env"})
+    return build_configs(parser.parse_args(list(flags)), env={} if env is None else env)
+
+
+MIXED = ("--role", "mixed", "--model", "x")
+
+
+def test_the_api_key_comes_from_the_flag_or_the_environment() -> None:
+    _, server = _configs(*MIXED, env={"DISAGG_API_KEY": "from-env"})
     assert server.api_key == "from-env" and "from-env" not in repr(server), "the key stays out of logs"
-    _, server = build_configs(parser.parse_args([*base, "--api-key", "from-flag"]), env={"DISAGG_API_KEY": "from-env"})
+    _, server = _configs(*MIXED, "--api-key", "from-flag", env={"DISAGG_API_KEY": "from-env"})
     assert server.api_key == "from-flag"
-    _, server = build_configs(parser.parse_args(base), env={})
+    _, server = _configs(*MIXED)
     assert server.api_key is None
     with pytest.raises(ValueError, match="api_key must not be blank"):
-        build_configs(parser.parse_args([*base, "--api-key", " "]), env={})
+        _configs(*MIXED, "--api-key", " ")
 
 
 def test_the_cors_flags_are_vllms_json_lists() -> None:
-    parser = argparse.ArgumentParser()
-    add_serve_arguments(parser)
-    base = ["--role", "mixed", "--model", "x"]
-    _, server = build_configs(parser.parse_args(base), env={})
+    _, server = _configs(*MIXED)
     assert server.cors == CorsPolicy(("*",), ("*",), ("*",), False)  # vLLM's defaults
-    args = parser.parse_args([*base, "--allowed-origins", '["https://a.example"]', "--allowed-methods", '["POST"]',
-                              "--allowed-headers", "[]", "--allow-credentials"])
-    assert build_configs(args, env={})[1].cors == CorsPolicy(("https://a.example",), ("POST",), (), True)
+    _, server = _configs(*MIXED, "--allowed-origins", '["https://a.example"]', "--allowed-methods", '["POST"]',
+                         "--allowed-headers", "[]", "--allow-credentials")
+    assert server.cors == CorsPolicy(("https://a.example",), ("POST",), (), True)
     result = _run("--role", "mixed", "--model", "x", "--allowed-origins", "https://a.example")
     assert result.returncode == 2 and "JSON list of strings" in result.stderr
 
 
 def test_the_admin_port_follows_the_http_port_unless_given() -> None:
     """Two workers on one host given only distinct HTTP ports (DESIGN.md's flags) bind distinct admin ports."""
-    parser = argparse.ArgumentParser()
-    add_serve_arguments(parser)
-    base = ["--role", "mixed", "--model", "x"]
-    _, server = build_configs(parser.parse_args(base), env={})
-    assert server.admin_port == 8100
-    _, server = build_configs(parser.parse_args([*base, "--http-port", "8001"]), env={})
-    assert server.admin_port == 8101
-    _, server = build_configs(parser.parse_args([*base, "--http-port", "8001", "--admin-port", "9000"]), env={})
-    assert server.admin_port == 9000
+    assert _configs(*MIXED)[1].admin_port == 8100
+    assert _configs(*MIXED, "--http-port", "8001")[1].admin_port == 8101
+    assert _configs(*MIXED, "--http-port", "8001", "--admin-port", "9000")[1].admin_port == 9000
 
 
 def test_cpu_turns_come_from_the_flags(tmp_path: Path) -> None:
-    parser = argparse.ArgumentParser()
-    add_serve_arguments(parser)
     base = ["--role", "decode", "--model", "x", "--insecure"]
-    _, server = build_configs(parser.parse_args([*base, "--cpu-turn-dir", str(tmp_path), "--cpu-turn-wait-ms", "500"]),
-                              env={})
+    _, server = _configs(*base, "--cpu-turn-dir", str(tmp_path), "--cpu-turn-wait-ms", "500")
     assert server.cpu_turn_dir == tmp_path and server.cpu_turn_wait_s == 0.5
-    _, server = build_configs(parser.parse_args(base), env={})
+    _, server = _configs(*base)
     assert server.cpu_turn_dir is None
     result = _run("--role", "mixed", "--model", "x", "--cpu-turn-dir", str(tmp_path))
     assert result.returncode == 2 and "a mixed worker orders its own steps" in result.stderr
@@ -121,13 +116,10 @@ def test_cpu_turns_come_from_the_flags(tmp_path: Path) -> None:
     ("prefill turns", "cpu", None, EngineConfig.max_num_batched_tokens),  # its turns narrow it while decodes run
 ])
 def test_the_step_budget_follows_the_role_unless_given(role: str, device: str, flag: str | None, budget: int) -> None:
-    parser = argparse.ArgumentParser()
-    add_serve_arguments(parser)
     given = [] if flag is None else ["--max-num-batched-tokens", flag]
     role, _, turns = role.partition(" ")
     given += ["--cpu-turn-dir", "turns"] if turns else []
-    engine, _ = build_configs(parser.parse_args(["--role", role, "--model", "x", "--device", device, "--insecure",
-                                                 *given]), env={})
+    engine, _ = _configs("--role", role, "--model", "x", "--device", device, "--insecure", *given)
     assert engine.max_num_batched_tokens == budget
 
 

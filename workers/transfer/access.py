@@ -58,7 +58,7 @@ class BlockAccess:
         self._on_refused = on_refused
         self._grants: dict[str, _Grant] = {}
         self._counts: dict[tuple[str, Access], Counter[int]] = {}
-        self._in_use: Counter[int] = Counter()  # blocks frames are moving now
+        self._in_use: Counter[int] = Counter()  # frames moving each block now; a block no frame moves is absent
         self._lock = threading.Lock()
         self._unused = threading.Condition(self._lock)
 
@@ -93,18 +93,23 @@ class BlockAccess:
 
     def done_with(self, blocks: Sequence[int]) -> None:
         with self._unused:
-            self._in_use.subtract(blocks)
-            self._in_use = +self._in_use  # drops the blocks no frame moves any more
+            for block in blocks:
+                self._in_use[block] -= 1
+                if self._in_use[block] <= 0:
+                    del self._in_use[block]
             self._unused.notify_all()
 
     def in_use(self, blocks: Iterable[int]) -> bool:
         with self._lock:
-            return any(self._in_use[b] > 0 for b in blocks)
+            return self._moving(blocks)
 
     def wait_unused(self, blocks: Sequence[int], timeout: float) -> bool:
         """Block until no frame moves any of `blocks`; False when one still does after `timeout` s."""
         with self._unused:
-            return self._unused.wait_for(lambda: not any(self._in_use[b] > 0 for b in blocks), timeout)
+            return self._unused.wait_for(lambda: not self._moving(blocks), timeout)
+
+    def _moving(self, blocks: Iterable[int]) -> bool:
+        return any(b in self._in_use for b in blocks)  # under the lock
 
     def refusal(self, peer: str, access: Access, blocks: Iterable[int]) -> str | None:
         """Why `peer` may not touch `blocks` this way (counted), or None when it may."""

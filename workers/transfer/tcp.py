@@ -224,12 +224,13 @@ class _Connection:
         layout = self.layout
         frame = recv_frame(self.sock, layout.num_blocks, layout.num_layers, self.block_bytes)
         if frame.kind == Kind.WRITE:
-            error = self._check_incoming(frame)
+            blocks = frame_blocks(frame, "dst")
+            error = self._check_incoming(frame, blocks)
             if error is None:
                 try:
                     error = self._recv_kv(frame)
                 finally:
-                    self.access.done_with(frame_blocks(frame, "dst"))
+                    self.access.done_with(blocks)
             else:
                 self.payload.discard(self.sock, payload_segments(frame, "dst"))
                 recv_exact(self.sock, TRAILER.size)
@@ -253,11 +254,12 @@ class _Connection:
                 raise ConnectionError(f"peer reported: {reason}")
             self._finish(frame.request_id, f"{self.peer.name}: {reason}")
 
-    def _check_incoming(self, frame: Frame) -> str | None:
+    def _check_incoming(self, frame: Frame, blocks: list[int]) -> str | None:
+        """Why a WRITE into `blocks` (its destination) is refused; None: they are in use until stored."""
         if frame.checksum != self.checksum:
             return f"checksum kind {frame.checksum} differs from the negotiated {self.checksum}"
         return range_error(frame, self.layout.num_layers, self.layout.num_blocks, "dst") or self.access.use(
-            self.peer.name, Access.WRITE, frame_blocks(frame, "dst"))
+            self.peer.name, Access.WRITE, blocks)
 
     def _recv_kv(self, frame: Frame) -> str | None:
         """Receive a frame's payload into its destination blocks; the reason if it fails its checksum."""
