@@ -326,6 +326,8 @@ class DecodeRole(EngineHealth["AsyncEngine[LLMEngine]"]):
             # Queued at once, even by a cancelled drop, and even for a task cancelled before it ran
             # (it never admitted the request: only the abort frees its reserved blocks).
             self._engine.abort(req_id)
+        if self._engine.is_running:
+            await self._engine.call(lambda e: None)  # commands run in order: the blocks are free before any answer
 
     def _close_link(self, prefill: str, reason: str) -> None:
         """Close the data path to `prefill`: its frames stop where they are."""
