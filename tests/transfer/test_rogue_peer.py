@@ -16,7 +16,15 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from disagg.workers.transfer import Access, BlockAccess, KVLayout, PeerInfo, TransferError, create_transport
+from disagg.workers.transfer import (
+    Access,
+    BlockAccess,
+    KVLayout,
+    PeerInfo,
+    TransferError,
+    create_transport,
+    tcp,
+)
 from disagg.workers.transfer.base import BlockRun
 from disagg.workers.transfer.handshake import (
     Challenge,
@@ -36,6 +44,7 @@ from disagg.workers.transfer.wire import (
     control_frame,
     encode_frame,
     new_hasher,
+    recv_exact,
     recv_frame,
     supported_checksums,
 )
@@ -139,3 +148,71 @@ def test_a_frame_in_flight_keeps_its_blocks_in_use_past_the_revoke() -> None:
             assert decode.access.refusal("prefill-r", Access.WRITE, [2]) is not None  # not for later frames
     finally:
         decode.close()
+
+
+def _linked_by_hand(address: str, name: str, layout: KVLayout) -> tuple[socket.socket, ChecksumKind]:
+    """A raw socket handshaken with the transport listening at `address` as the peer `name` (no key)."""
+    host, port = address.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=WAIT_S)
+    me = PeerInfo(name, "127.0.0.1:9", layout)
+    reply, _ = initiate(sock, Hello(me, "tcp", uuid.uuid4().hex, 0, 1, [int(k) for k in supported_checksums()]),
+                        None, time.monotonic() + WAIT_S)
+    assert reply.ok, reply.reason
+    return sock, ChecksumKind(reply.checksum)
+
+
+def test_a_peer_that_asks_without_reading_is_cut_off() -> None:
+    """READs sent far faster than their DATA is read: the answers waiting to be sent stay bounded,
+    and the peer is told why and cut off, instead of the queue growing with every READ."""
+    layout = KVLayout("test-model", "float32", num_layers=2, num_blocks=16, block_size=16, num_kv_heads=2,
+                      head_dim=32)
+    pool = torch.zeros(layout.shape, dtype=layout.torch_dtype)
+    prefill = create_transport("tcp", pool, layout, "prefill-r", "127.0.0.1:2", io_timeout=WAIT_S,
+                               access=BlockAccess())
+    try:
+        sock, kind = _linked_by_hand(prefill.start("127.0.0.1", 0), "decode-r", layout)
+        with sock:
+            prefill.access.allow("decode-r", "req", range(layout.num_blocks), Access.READ)
+            asked = tcp.MAX_WAITING_ANSWERS + 1000
+            runs = (BlockRun(0, 0, layout.num_blocks),)
+            sock.sendall(b"".join(encode_frame(Frame(Kind.READ, kind, request_id, 0, layout.num_layers, runs, 0))
+                                  for request_id in range(1, asked + 1)))
+            answered = 0
+            while True:
+                frame = recv_frame(sock, layout.num_blocks, layout.num_layers, layout.block_bytes)
+                if frame.kind != Kind.DATA:
+                    break
+                answered += 1
+                recv_exact(sock, frame.payload_bytes + TRAILER.size)
+            reason = recv_exact(sock, frame.payload_bytes).decode()
+            assert (frame.kind, frame.request_id) == (Kind.ERROR, 0), frame
+            assert "asks faster than it reads" in reason
+            assert answered < asked
+            assert sock.recv(1) == b"", "the connection stays open"
+    finally:
+        prefill.close()
+
+
+def test_closed_sessions_leave_the_table_as_others_link() -> None:
+    """Peers that come and go under new names (pods replaced) do not pile up in the session table."""
+    pool = torch.zeros(LAYOUT.shape, dtype=LAYOUT.torch_dtype)
+    prefill = create_transport("tcp", pool, LAYOUT, "prefill-r", "127.0.0.1:2", io_timeout=WAIT_S)
+    try:
+        address = prefill.start("127.0.0.1", 0)
+        first, _ = _linked_by_hand(address, "decode-old", LAYOUT)
+        deadline = time.monotonic() + WAIT_S
+        while "decode-old" not in prefill.peers():
+            assert time.monotonic() < deadline, "the first peer never linked"
+            time.sleep(0.01)
+        first.close()
+        while "decode-old" in prefill.peers():
+            assert time.monotonic() < deadline, "the first peer's close was never noticed"
+            time.sleep(0.01)
+        second, _ = _linked_by_hand(address, "decode-new", LAYOUT)
+        with second:
+            while "decode-new" not in prefill.peers():
+                assert time.monotonic() < deadline, "the second peer never linked"
+                time.sleep(0.01)
+            assert set(prefill._sessions) == {"decode-new"}  # the table itself, not the open view of it
+    finally:
+        prefill.close()

@@ -239,6 +239,10 @@ class LinkedTransport(KVTransport):
     def _register(self, session: TransferSession) -> None:
         with self._cond:
             old = self._sessions.get(session.peer.name)
+            # Closed sessions go from the table here, so peers that come and go under new names
+            # (pods replaced in a long-lived cluster) do not pile up in it.
+            for name in [name for name, known in self._sessions.items() if not known.is_open]:
+                del self._sessions[name]
             self._sessions[session.peer.name] = session
             self._cond.notify_all()
         if old is not None and old is not session:

@@ -55,6 +55,10 @@ logger = logging.getLogger(__name__)
 
 SOCKET_BUFFER_BYTES = 4 << 20
 _IDLE_POLL_S = 0.5  # how often an idle reader looks at the closed flag
+# Answers (ACK, ERROR, DATA) the reader may have queued for the sender at once. Our own peers
+# keep a few per request in flight; a peer that asks far faster than it reads its answers
+# (a flood of READs) is cut off here instead of growing the queue without end.
+MAX_WAITING_ANSWERS = 1024
 
 
 def tune_socket(sock: socket.socket, io_timeout: float) -> None:
@@ -115,6 +119,7 @@ class _Connection:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._closed = False
+        self._waiting_answers = 0
         tune_socket(sock, io_timeout)
         self._threads = [
             threading.Thread(target=self._send_loop, name="kv-send", daemon=True),
@@ -199,9 +204,24 @@ class _Connection:
         finally:
             self.access.done_with(blocks)
 
-    def _send_control(self, kind: Kind, request_id: int, reason: str = "") -> None:
+    def _control(self, kind: Kind, request_id: int, reason: str = "") -> Callable[[], None]:
         frame, payload = control_frame(kind, request_id, reason)
-        self._jobs.put(lambda: self.sock.sendall(encode_frame(frame) + payload))
+        return lambda: self.sock.sendall(encode_frame(frame) + payload)
+
+    def _answer(self, job: Callable[[], None]) -> None:
+        """Queue an answer to a peer's frame, counted until sent (see MAX_WAITING_ANSWERS)."""
+        with self._lock:
+            if self._waiting_answers >= MAX_WAITING_ANSWERS:
+                raise FrameError(f"{MAX_WAITING_ANSWERS} answers wait to be sent: the peer asks faster than it reads")
+            self._waiting_answers += 1
+
+        def counted() -> None:
+            try:
+                job()
+            finally:
+                with self._lock:
+                    self._waiting_answers -= 1
+        self._jobs.put(counted)
 
     # ---- reader thread -----------------------------------------------------
 
@@ -215,7 +235,7 @@ class _Connection:
             # NOTE: after a malformed frame the byte stream cannot be resynchronised.
             reason = f"protocol error: {exc}"
             logger.warning("bad frame from %s: %s", self.peer.name, reason)
-            self._send_control(Kind.ERROR, 0, reason)
+            self._jobs.put(self._control(Kind.ERROR, 0, reason))
             self._jobs.put(lambda: self.close(reason))
         except (OSError, ConnectionError, ValueError) as exc:
             self.close(f"connection to {self.peer.name} lost: {exc}")
@@ -234,15 +254,15 @@ class _Connection:
             else:
                 self.payload.discard(self.sock, payload_segments(frame, "dst"))
                 recv_exact(self.sock, TRAILER.size)
-            self._send_control(Kind.ERROR if error else Kind.ACK, frame.request_id, error or "")
+            self._answer(self._control(Kind.ERROR if error else Kind.ACK, frame.request_id, error or ""))
         elif frame.kind == Kind.READ:
             error = range_error(frame, layout.num_layers, layout.num_blocks, "src")
             if error is None:
                 data = Frame(Kind.DATA, self.checksum, frame.request_id, frame.layer, frame.layer_count,
                              frame.runs, frame.layer_count * frame.num_blocks * self.block_bytes)
-                self._jobs.put(lambda: self._send_granted(data))
+                self._answer(lambda: self._send_granted(data))
             else:
-                self._send_control(Kind.ERROR, frame.request_id, error)
+                self._answer(self._control(Kind.ERROR, frame.request_id, error))
         elif frame.kind == Kind.DATA:
             handle = self._expected_data(frame)
             handle.part_done(self._recv_kv(frame))
