@@ -36,9 +36,11 @@ def kept(logits: torch.Tensor) -> list[list[int]]:
     return [torch.nonzero(row != NEG_INF).flatten().tolist() for row in logits]
 
 
-def test_greedy_takes_the_argmax() -> None:
+@pytest.mark.parametrize("temperature", [0.0, 1e-6, 1e-44, 1e-300])
+def test_greedy_takes_the_argmax(temperature: float) -> None:
+    """Temperatures so small that logits / temperature overflow float32 are greedy too (they drew NaNs: token 0)."""
     logits = torch.tensor([[0.1, 2.0, 0.3], [5.0, -1.0, 4.9]])
-    requests = [make_request(SamplingParams(temperature=0.0)) for _ in range(2)]
+    requests = [make_request(SamplingParams(temperature=temperature, seed=7)) for _ in range(2)]
     out = Sampler(CPU)(logits, meta_for(requests, vocab=3))
     assert out.token_ids == [1, 0]
     assert out.logprobs == [None, None]

@@ -60,6 +60,23 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(client: openai.Ope
             assert choice.text == PROMPT + plain.choices[0].text
 
 
+def test_a_streamed_echo_counts_offsets_from_the_echoed_prompt(served: Any, tokenizer: Tokenizer) -> None:
+    """Every chunk's text_offset is a position in the whole text, the echoed prompt first (later
+    chunks counted from the end of the prompt's echo, not from 0)."""
+    ids = tokenizer.encode(PROMPT)
+    body = {"model": served.model, "prompt": ids, "max_tokens": 5, "temperature": 0, "logprobs": 1, "echo": True,
+            "stream": True, **EXACT}
+    with httpx.stream("POST", f"{served.base_url}/v1/completions", json=body, timeout=60) as r:
+        chunks = [e["choices"][0] for e in _events(r) if e["choices"]]
+    assert chunks[0]["text"].startswith(PROMPT) and len(chunks) > 1
+    text = ""
+    for chunk in chunks:
+        offsets = chunk["logprobs"]["text_offset"]
+        assert offsets[0] == len(text), (text, chunk)
+        text += chunk["text"]
+    assert sum(len(c["logprobs"]["tokens"]) for c in chunks) == len(ids) + 5
+
+
 def test_echo_without_logprobs_and_streamed(http: httpx.Client, client: openai.OpenAI, served: Any,
                                             tokenizer: Tokenizer) -> None:
     r = client.completions.create(model=served.model, prompt=PROMPT, max_tokens=4, temperature=0, echo=True,

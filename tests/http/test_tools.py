@@ -84,14 +84,22 @@ def test_auto_is_enforced_only_with_a_strict_function(grammars: Checker) -> None
     assert not grammars.accepts(plan, "Adding <tool_call> by hand")
 
 
-def test_auto_with_strict_tools_and_a_json_format_is_the_answer_or_calls(grammars: Checker) -> None:
-    strict = [{"type": "function", "function": {"name": "add", "parameters": ADD, "strict": True}}]
+def _answer_or_calls_plan(tools: list[dict[str, Any]]) -> ToolPlan:
     answer = {"type": "object", "properties": {"sum": {"type": "integer"}}, "required": ["sum"]}
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": strict,
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": tools,
             "response_format": {"type": "json_schema", "json_schema": {"name": "out", "schema": answer}}}
     req = ChatCompletionRequest.model_validate(body)
     plan = plan_tools(req, structured_output(req))
     assert plan is not None
+    return plan
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_auto_with_a_json_format_is_the_answer_or_calls(grammars: Checker, strict: bool) -> None:
+    """Strict or not, tools offered in `auto` beside a JSON answer format leave the model both
+    choices (before, plain tools got the format on the whole output and could never be called)."""
+    plan = _answer_or_calls_plan([{"type": "function", "function": {"name": "add", "parameters": ADD,
+                                                                     "strict": strict}}])
     assert grammars.accepts(plan, '{"sum":3}') and grammars.accepts(plan, ADD_CALL)
     assert not grammars.accepts(plan, "Just text") and not grammars.accepts(plan, '{"total":3}')
     assert not grammars.accepts(plan, f'{{"sum":3}}\n{ADD_CALL}') and not grammars.accepts(plan, f"Adding.\n{ADD_CALL}")

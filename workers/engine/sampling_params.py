@@ -12,6 +12,7 @@ MAX_LOGPROBS = 20
 MAX_TOKEN_ID = 2**31 - 1
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range of a logit_bias value: [-100, 100]
+GREEDY_TEMPERATURE = 1e-5  # a temperature below it samples greedily (vLLM's threshold)
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,9 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        # Below GREEDY_TEMPERATURE, logits / temperature overflow float32 (the draw would be NaN):
+        # such a temperature means greedy, as in vLLM.
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
     def has_penalties(self) -> bool:

@@ -291,13 +291,13 @@ class OpenAIServing:
             )
         # The first chunk of a choice carries its echoed prompt and vLLM's prompt logprobs.
         first, choice.echoed = not choice.echoed, True
-        echo_text = self._echo_text(call, choice) if first else ""
-        offset = len(echo_text) + len(choice.text) - len(out.new_text)
+        echo_text = self._echo_text(call, choice)
+        offset = len(echo_text) + len(choice.text) - len(out.new_text)  # in the whole text, the echo first
         return CompletionResponse(
             id=call.request_id, created=call.created, model=call.model_name,
             choices=[
                 CompletionChoice(
-                    index=choice.index, text=echo_text + out.new_text,
+                    index=choice.index, text=(echo_text if first else "") + out.new_text,
                     logprobs=self._completion_logprobs(call, choice, new_logprobs, offset, echo=first),
                     finish_reason=finish, stop_reason=stop_reason, token_ids=token_ids,
                     prompt_logprobs=self._prompt_logprobs(call, choice) if first else None,

@@ -17,9 +17,10 @@ calls and to parse them from the output:
   the assistant's calls as blocks after its text, and each run of tool results
   as one user turn of `<tool_response>` blocks.
 - `required` and a named function are enforced (and `auto` when a function
-  asks for `strict` arguments): `ToolPlan.grammar` allows exactly the call
-  blocks (after text, in `auto`), with arguments valid under the declared
-  schema; it rides `SamplingParams.grammar`, so PD carries it as any
+  asks for `strict` arguments or the answer has a JSON format):
+  `ToolPlan.grammar` allows exactly the call blocks (after text, in `auto`;
+  instead of the JSON answer, with a format), with arguments valid under the
+  declared schema; it rides `SamplingParams.grammar`, so PD carries it as any
   structured output.
 - The output (every mode but `none`) is split into content and calls by
   tool_parser.py, while streaming too.
@@ -27,6 +28,7 @@ calls and to parse them from the output:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Sequence
@@ -62,6 +64,7 @@ class ToolPlan:
     parallel: bool
     named: str | None = None
     grammar: str | None = None  # the enforced call format (`enforced`)
+    json_answer: bool = False  # the request gives the answer a JSON format (response_format, guided_json)
 
     @property
     def offered(self) -> bool:
@@ -71,9 +74,10 @@ class ToolPlan:
     @property
     def enforced(self) -> bool:
         """Whether the call format is enforced by a grammar: `required`, a named
-        function, or `auto` with a function that asks for `strict` arguments."""
-        strict = self.choice is ToolChoice.AUTO and any(t.function.strict for t in self.tools)
-        return strict or self.calls_only
+        function, or `auto` with a function that asks for `strict` arguments or
+        with a JSON answer (else the answer's format would leave no room for calls)."""
+        auto = self.choice is ToolChoice.AUTO and (self.json_answer or any(t.function.strict for t in self.tools))
+        return auto or self.calls_only
 
     @property
     def calls_only(self) -> bool:
@@ -98,17 +102,17 @@ def plan_tools(req: ChatCompletionRequest, constraint: Constraint | None = None)
     choice, named = _tool_choice(req.tool_choice, tools)
     if not tools:
         return None
-    plan = ToolPlan(tools, choice, req.parallel_tool_calls, named)
+    text_schema = None if constraint is None else constraint.json_schema
+    plan = ToolPlan(tools, choice, req.parallel_tool_calls, named, json_answer=text_schema is not None)
     if not plan.enforced:
         return plan
     if req.ignore_eos:
         raise BadRequest("tool_choice required, a named function or strict tools cannot be combined with "
                          "ignore_eos: the output ends where the enforced call format does", "tool_choice")
-    text_schema = None if constraint is None else constraint.json_schema
     if constraint is not None and text_schema is None:
         raise BadRequest(f"{constraint.field} cannot be combined with tool_choice required, a named function or "
                          "strict tools: only a JSON format (response_format, guided_json) can", "tool_choice")
-    return ToolPlan(tools, choice, req.parallel_tool_calls, named, _call_grammar(plan, text_schema))
+    return dataclasses.replace(plan, grammar=_call_grammar(plan, text_schema))
 
 
 def _check_tools(tools: tuple[ToolSpec, ...]) -> None:
