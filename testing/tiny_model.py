@@ -66,15 +66,16 @@ def build_tokenizer(dest: Path) -> None:
 
 
 def build_tiny_model(family: str, dest: Path, *, tied: bool = False, max_shard_size: str | None = None,
-                     seed: int = 0, context: int | None = None) -> Path:
+                     seed: int = 0, context: int | None = None, **config: Any) -> Path:
     """Writes a random model of `family` to `dest` as a Hugging Face folder;
-    `context` replaces its 512 positions (prompts that this tokenizer makes long)."""
+    `context` replaces its 512 positions (prompts that this tokenizer makes long), `config`
+    sets more of its config (`attention_bias=True`)."""
     import torch
     import transformers
 
     config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
                   "qwen3": transformers.Qwen3Config, "gemma": transformers.GemmaConfig}[family]
-    overrides = {} if context is None else {"max_position_embeddings": context}
+    overrides = {**config, **({} if context is None else {"max_position_embeddings": context})}
     config = config_cls(**{**CONFIGS[family], **overrides}, tie_word_embeddings=tied)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -467,6 +467,23 @@ async def test_shutdown_fails_open_streams(make_engine: MakeEngine) -> None:
         await anext(engine.generate("late", [5], GREEDY))
 
 
+async def test_a_stream_opened_as_the_loop_stops_is_refused_not_left_waiting(
+        make_engine: MakeEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loop stops between a new stream's running check and its registration: nothing would
+    ever end that stream, so it is refused (before, it waited forever)."""
+    engine = AsyncEngine(make_engine())
+    engine.start()
+    checked = engine.engine.check_request
+
+    def stop_meanwhile(prompt: list[int], params: SamplingParams) -> None:
+        checked(prompt, params)
+        assert engine.shutdown(30)
+
+    monkeypatch.setattr(engine.engine, "check_request", stop_meanwhile)
+    with pytest.raises(EngineError, match="not running"):
+        await asyncio.wait_for(anext(engine.generate("racing", [5, 6], GREEDY)), timeout=10)
+
+
 # --- CUDA ----------------------------------------------------------------------
 
 

@@ -47,6 +47,7 @@ def test_config_fields(tiny_model: Callable[..., Path]) -> None:
     assert not llama.attention_bias and llama.hidden_act == "silu"
     qwen2, qwen3 = ModelConfig.from_dir(tiny_model("qwen2")), ModelConfig.from_dir(tiny_model("qwen3"))
     assert qwen2.attention_bias and not qwen3.attention_bias
+    assert not (qwen2.o_proj_bias or qwen3.o_proj_bias), "Qwen2's bias is on q, k and v only"
     assert qwen3.head_dim == 32 != qwen3.hidden_size // qwen3.num_heads
     gemma = ModelConfig.from_dir(tiny_model("gemma"))
     assert (gemma.architecture, gemma.num_kv_heads, gemma.hidden_act) == ("GemmaForCausalLM", 1, "gelu_pytorch_tanh")

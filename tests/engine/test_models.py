@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from disagg.testing.tiny_model import build_tiny_model
 from disagg.workers.engine.forward_batch import ForwardBatch
 from disagg.workers.engine.loader import LoadedModel, load_model
 from disagg.workers.engine.models.packing import packing_available
@@ -96,6 +97,23 @@ def test_prefill_then_decode_matches_transformers(models: Callable, paged_cache:
     cache = new_cache(paged_cache, ours, block_size, seed=prompt_len)
     ids = prompt(prompt_len, seed=prompt_len)
     tokens, logits = generate(ours, cache, 0, [ids], steps=6)
+    assert_matches_reference(reference, ids, tokens, logits)
+
+
+@pytest.mark.parametrize("weights", WEIGHTS)
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_attention_bias_matches_transformers(tmp_path: Path, paged_cache: type, family: str, weights: str) -> None:
+    """`attention_bias: true` puts a bias on q, k, v and the output projection (transformers'
+    Llama and Qwen3); such checkpoints did not load."""
+    from transformers import AutoModelForCausalLM
+
+    path = build_tiny_model(family, tmp_path, attention_bias=True)
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ours = load_model(str(path), torch.float32, CPU)
+    if weights == "packed":
+        ours.model.pack_weights()
+    ids = prompt(17)
+    tokens, logits = generate(ours, new_cache(paged_cache, ours, 16), 0, [ids], steps=6)
     assert_matches_reference(reference, ids, tokens, logits)
 
 

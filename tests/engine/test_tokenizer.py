@@ -95,6 +95,19 @@ def test_chunks_of_many_tokens_and_a_prompt_context(tokenizer: Tokenizer) -> Non
     assert out == MULTIBYTE * 3
 
 
+def test_a_prompt_cut_inside_a_character_lends_the_output_none_of_its_bytes(tokenizer: Tokenizer) -> None:
+    """The output is the text of the output tokens alone, even where the prompt's last bytes and the
+    output's first ones would make one character together."""
+    prompt = tokenizer.encode("hi 中", add_special_tokens=False)
+    ids = tokenizer.encode("中", add_special_tokens=False)
+    assert len(ids) > 1
+    cut = len(prompt) - len(ids) + 1  # the prompt ends one byte into the character
+    output = prompt[cut:] + tokenizer.encode(" ok", add_special_tokens=False)
+    detok = tokenizer.detokenizer(prompt_token_ids=prompt[:cut])
+    text = "".join(detok.add([i]) for i in output) + detok.flush()
+    assert text == tokenizer.decode(output) and text.endswith(" ok")
+
+
 def test_special_tokens_skipped_or_kept(tokenizer: Tokenizer) -> None:
     eos = tokenizer.eos_token_ids[0]
     ids = tokenizer.encode("hello", add_special_tokens=False) + [eos]

@@ -151,7 +151,8 @@ class AsyncEngine(Generic[E]):
         self._threads = torch.get_num_threads()  # the worker's compute threads, set before the engine
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
-        self._lock = threading.Lock()  # guards _streams
+        self._lock = threading.Lock()  # guards _streams and _failed
+        self._failed = False  # every open stream was failed: no new one may open (nothing would end it)
         self._wakeup = threading.Event()
         self._stopping = threading.Event()
         self._dead: BaseException | None = None
@@ -208,6 +209,8 @@ class AsyncEngine(Generic[E]):
             self.engine.check_request(command.prompt_token_ids, command.params)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
+            if self._failed:  # the loop stopped since the check above
+                raise EngineError(f"the engine is not running: {self._dead or 'stopped'}")
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
@@ -410,6 +413,7 @@ class AsyncEngine(Generic[E]):
 
     def _fail_all(self, error: EngineError) -> None:
         with self._lock:
+            self._failed = True
             request_ids = list(self._streams)
         self._deliver_all([(request_id, error) for request_id in request_ids])
 

@@ -67,7 +67,8 @@ class ModelConfig:
     rope_theta: float
     rope_scaling: RopeScaling | None
     tie_word_embeddings: bool
-    attention_bias: bool
+    attention_bias: bool  # q, k and v carry a bias
+    o_proj_bias: bool  # the attention's output projection does too (config.json's attention_bias, not Qwen2's trait)
     mlp_bias: bool
     hidden_act: str  # a key of ACTIVATIONS
     max_model_len: int
@@ -161,6 +162,7 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=traits.qkv_bias or bool(hf.get("attention_bias", False)),
+            o_proj_bias=bool(hf.get("attention_bias", False)),
             mlp_bias=bool(hf.get("mlp_bias", False)),
             hidden_act=hidden_act,
             max_model_len=_required(hf, "max_position_embeddings"),

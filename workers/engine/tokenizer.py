@@ -185,6 +185,9 @@ class IncrementalDetokenizer:
         self._skip_special_tokens = skip_special_tokens
         # ids[prefix:read] is text already emitted; ids[read:] is pending.
         self._ids: list[int] = list(prompt_token_ids[-_DETOKENIZER_CONTEXT:])
+        # A prompt that stops inside a character must not lend its bytes to the output's first one.
+        while self._ids and tokenizer.decode(self._ids, skip_special_tokens).endswith(_REPLACEMENT_CHAR):
+            self._ids.pop()
         self._prefix = 0
         self._read = len(self._ids)
         self._text_parts: list[str] = []

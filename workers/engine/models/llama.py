@@ -36,7 +36,7 @@ class LlamaAttention(nn.Module):
         self.scale = config.head_dim ** -0.5
         # weight rows: [q (heads * hd) | k (kvh * hd) | v (kvh * hd)]
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
 
     def normalize_qk(self, qk: torch.Tensor) -> torch.Tensor:
         """Hook before RoPE on qk: [T, heads + kvh, hd]; the Llama family leaves it as it is."""
