@@ -55,6 +55,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")  # "auto": bfloat16 on CUDA 
 HTTP_PORT = 8000  # the OpenAI API, /health, /ready, /metrics
 GRPC_PORT = 7777  # DisaggPDService
 TRANSFER_PORT = 26000  # the KV data path
+# Our own call beside DisaggPDService on the gRPC port (not xLLM's): a worker's InstanceClusterInfo,
+# so that `disagg link` needs only the workers' gRPC addresses, whatever their transfer ports.
+DESCRIBE_METHOD = "/disagg.v1.Worker/Describe"
 # /drain and (as on the HTTP port) xLLM's HTTP link routes; by default the HTTP port + the offset,
 # so that workers given distinct HTTP ports on one host get distinct admin ports too.
 ADMIN_PORT_OFFSET = 100

@@ -168,7 +168,7 @@ def link(decode: WorkerProcess, prefill: WorkerProcess, timeout_s: float = 15.0)
     """LinkInstance on the decode with the prefill's info (`disagg link`'s call); the error, or None."""
     from disagg.workers.pd.commands import link_call
 
-    return link_call(decode.instance_name, prefill.instance_name, prefill.transfer_port, timeout_s,
+    return link_call(decode.instance_name, prefill.instance_name, None, timeout_s,  # the port asked, as by hand
                      decode.cluster_key, decode.tls)
 
 
@@ -176,5 +176,5 @@ def unlink(decode: WorkerProcess, prefill: WorkerProcess, timeout_s: float = 15.
     """UnlinkInstance on both sides (`disagg unlink`'s calls); the errors."""
     from disagg.workers.pd.commands import unlink_calls
 
-    return unlink_calls(decode.instance_name, decode.transfer_port, prefill.instance_name, prefill.transfer_port,
+    return unlink_calls(decode.instance_name, None, prefill.instance_name, None,  # the ports asked, as by hand
                         timeout_s, decode.cluster_key, decode.tls)

@@ -7,6 +7,7 @@ rogue is a client with no key or another one, over real sockets.
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 import uuid
 from collections.abc import Callable
@@ -20,7 +21,7 @@ import torch
 from disagg.proto import disagg_pd_pb2 as pb, disagg_pd_pb2_grpc, xllm_service_pb2_grpc
 from disagg.workers.engine.sampling_params import SamplingParams
 from disagg.workers.pd.convert import request_to_proto
-from disagg.proto.vocabulary import InstanceInfo
+from disagg.proto.vocabulary import DESCRIBE_METHOD, InstanceInfo
 from disagg.workers.pd.messages import NewRequest
 from disagg.workers.security.control import METADATA_KEY, control_channel
 from disagg.workers.security.key import ClusterKey
@@ -69,15 +70,33 @@ async def test_a_caller_without_the_key_is_refused_everywhere(pd_pair: Callable[
                         InstanceInfo(pair.decode_config.instance_name, "127.0.0.1:2").to_proto(), timeout=10),
                     xllm_service_pb2_grpc.XllmRpcServiceStub(prefill).Generations(
                         pb.DisaggStreamGenerations(), timeout=10),
+                    _describe(prefill)(pb.InstanceClusterInfo(), timeout=10),
                 ]
                 for call in calls:
                     with pytest.raises(grpc.aio.AioRpcError) as err:
                         await call
                     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        assert _failures(pair, "grpc") == 10
+        assert _failures(pair, "grpc") == 12
         assert _free(pair) == before, "no refused call reserved or freed a block"
         assert pair.prefill.role.ready()[0], "the link survived"
         await _serves(pair)
+
+
+def _describe(channel: grpc.aio.Channel) -> Any:
+    return channel.unary_unary(DESCRIBE_METHOD, request_serializer=pb.InstanceClusterInfo.SerializeToString,
+                               response_deserializer=pb.InstanceClusterInfo.FromString)
+
+
+async def test_a_keyed_caller_learns_a_workers_own_info(pd_pair: Callable[..., Any], kit: Any) -> None:
+    """What `disagg link` asks a prefill so that only gRPC addresses need be given."""
+    async with pd_pair() as pair:
+        for worker, config in ((pair.prefill, pair.prefill_config), (pair.decode, pair.decode_config)):
+            async with control_channel(config.instance_name, kit.key) as channel:
+                info = InstanceInfo.from_proto(await _describe(channel)(pb.InstanceClusterInfo(), timeout=10))
+            assert info == worker.identity and info.name == config.instance_name
+        host, _, port = pair.prefill.identity.transfer_address.rpartition(":")
+        with socket.create_connection((host, int(port)), timeout=10):
+            pass  # the prefill's data path listens where it says
 
 
 async def test_a_credential_is_good_once_and_only_within_the_window(pd_pair: Callable[..., Any], kit: Any) -> None:

@@ -66,7 +66,7 @@ def test_default_ports_are_the_workers_the_pods_and_disagg_links() -> None:
     link = argparse.ArgumentParser()
     add_link_arguments(link)
     args = link.parse_args(["--decode", "a:1", "--prefill", "b:2"])
-    assert args.prefill_transfer_port == args.decode_transfer_port == v.TRANSFER_PORT
+    assert args.prefill_transfer_port is None and args.decode_transfer_port is None  # asked of the workers
     assert crd_spec()["service"]["properties"]["port"]["default"] == v.HTTP_PORT
 
 

@@ -12,47 +12,92 @@ import socket
 import sys
 from typing import TYPE_CHECKING
 
-from disagg.proto.vocabulary import TRANSFER_PORT, InstanceInfo
+from disagg.proto import disagg_pd_pb2 as pb
+from disagg.proto.vocabulary import DESCRIBE_METHOD, MAX_PORT, InstanceInfo
 
 if TYPE_CHECKING:
+    import grpc
+
     from disagg.workers.security.key import ClusterKey
     from disagg.workers.security.tls import TlsFiles
 
 
 def add_link_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--decode", required=True, metavar="HOST:GRPC", help="the decode's DisaggPDService")
-    p.add_argument("--prefill", required=True, metavar="HOST:GRPC", help="the prefill's DisaggPDService")
-    p.add_argument("--prefill-transfer-port", type=int, default=TRANSFER_PORT,
-                   help="the prefill's --transfer-port (default %(default)s)")
-    p.add_argument("--decode-transfer-port", type=int, default=TRANSFER_PORT,
-                   help="the decode's --transfer-port, for unlink (default %(default)s)")
-    p.add_argument("--timeout", type=float, default=15.0, help="deadline of each call, seconds")
-    from disagg.workers.args import add_key_arguments
+    from disagg.workers.args import add_key_arguments, positive
 
+    p.add_argument("--decode", required=True, type=_host_port, metavar="HOST:GRPC", help="the decode's DisaggPDService")
+    p.add_argument("--prefill", required=True, type=_host_port, metavar="HOST:GRPC",
+                   help="the prefill's DisaggPDService")
+    p.add_argument("--prefill-transfer-port", type=_port, default=None,
+                   help="the prefill's --transfer-port (default: asked of the prefill)")
+    p.add_argument("--decode-transfer-port", type=_port, default=None,
+                   help="the decode's --transfer-port, for unlink (default: asked of the decode)")
+    p.add_argument("--timeout", type=positive(float), default=15.0, help="deadline of each call, seconds")
     add_key_arguments(p)
 
 
-async def _call(target: str, method: str, instance: str, transfer_port: int, timeout: float,
+async def _call(target: str, method: str, instance: str, transfer_port: int | None, timeout: float,
                 key: ClusterKey | None, tls: TlsFiles | None) -> str | None:
     """One LinkInstance/UnlinkInstance on `target` with `instance`'s info, signed with `key`
-    (over TLS with `tls`); the error, or None."""
+    (over TLS with `tls`); the error, or None. Without `transfer_port`, `instance` is asked for it."""
     import grpc
 
     from disagg.proto import disagg_pd_pb2_grpc
     from disagg.workers.security.control import control_channel
 
+    credentials = None if tls is None else tls.grpc_channel_credentials()
     try:
-        instance = _by_ipv4(instance)  # the payload's cluster_id is made of an IPv4 address
-        message = InstanceInfo(instance, f"{instance.rpartition(':')[0]}:{transfer_port}").to_proto()
+        message = await _payload(instance, transfer_port, method == "UnlinkInstance", timeout, key, credentials)
     except ValueError as exc:
         return str(exc)
-    async with control_channel(target, key, tls=None if tls is None else tls.grpc_channel_credentials()) as channel:
+    async with control_channel(target, key, tls=credentials) as channel:
         stub = disagg_pd_pb2_grpc.DisaggPDServiceStub(channel)
         try:
             status = await getattr(stub, method)(message, timeout=timeout)
         except grpc.aio.AioRpcError as exc:
-            return f"{exc.code().name}: {exc.details()}"
-    return None if status.ok else "answered ok=false"
+            return f"{target} refused: {exc.code().name}: {exc.details()}"
+    return None if status.ok else f"{target} answered ok=false"
+
+
+async def _payload(instance: str, transfer_port: int | None, unlink: bool, timeout: float, key: ClusterKey | None,
+                   credentials: grpc.ChannelCredentials | None) -> pb.InstanceClusterInfo:
+    """`instance`'s info for a link call, its transfer port asked of it (DESCRIBE_METHOD) unless given.
+    An unlink whose peer does not answer names the peer alone, which is enough to unlink (PROTOCOL.md).
+    ValueError with the reason when there is no info to send."""
+    import grpc
+
+    from disagg.workers.security.control import control_channel
+
+    instance = _by_ipv4(instance)  # the payload's cluster_id is made of an IPv4 address
+    if transfer_port is None:
+        try:
+            async with control_channel(instance, key, tls=credentials) as channel:
+                describe = channel.unary_unary(DESCRIBE_METHOD,
+                                               request_serializer=pb.InstanceClusterInfo.SerializeToString,
+                                               response_deserializer=pb.InstanceClusterInfo.FromString)
+                described = InstanceInfo.from_proto(await describe(pb.InstanceClusterInfo(), timeout=timeout))
+        except grpc.aio.AioRpcError as exc:
+            if unlink:
+                return pb.InstanceClusterInfo(instance_name=instance)
+            raise ValueError(f"asking {instance} for its transfer port: {exc.code().name}: {exc.details()}") from exc
+        transfer_port = int(described.transfer_address.rpartition(":")[2])
+    return InstanceInfo(instance, f"{instance.rpartition(':')[0]}:{transfer_port}").to_proto()
+
+
+def _port(text: str) -> int:
+    """An argparse type: a port number, 1 to MAX_PORT."""
+    if not (text.isdigit() and 0 < int(text) <= MAX_PORT):
+        raise argparse.ArgumentTypeError(f"expected a port from 1 to {MAX_PORT}, got {text!r}")
+    return int(text)
+
+
+def _host_port(text: str) -> str:
+    """An argparse type: HOST:PORT with a port number in range."""
+    host, _, port = text.rpartition(":")
+    if not host:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    _port(port)
+    return text
 
 
 def _by_ipv4(instance: str) -> str:
@@ -65,13 +110,14 @@ def _by_ipv4(instance: str) -> str:
     return f"{address}:{port}"
 
 
-def link_call(decode: str, prefill: str, prefill_transfer_port: int, timeout: float,
+def link_call(decode: str, prefill: str, prefill_transfer_port: int | None, timeout: float,
               key: ClusterKey | None, tls: TlsFiles | None = None) -> str | None:
-    """LinkInstance on the decode, payload = the prefill; the refusal's reason, or None."""
+    """LinkInstance on the decode, payload = the prefill (its transfer port asked of it when None);
+    the refusal's reason, or None."""
     return asyncio.run(_call(decode, "LinkInstance", prefill, prefill_transfer_port, timeout, key, tls))
 
 
-def unlink_calls(decode: str, decode_transfer_port: int, prefill: str, prefill_transfer_port: int,
+def unlink_calls(decode: str, decode_transfer_port: int | None, prefill: str, prefill_transfer_port: int | None,
                  timeout: float, key: ClusterKey | None, tls: TlsFiles | None = None) -> list[str]:
     """UnlinkInstance on both sides at once; the errors, each naming its side."""
 
@@ -81,8 +127,7 @@ def unlink_calls(decode: str, decode_transfer_port: int, prefill: str, prefill_t
             _call(prefill, "UnlinkInstance", decode, decode_transfer_port, timeout, key, tls),
         ))
 
-    answers = asyncio.run(both())
-    return [f"{side}: {error}" for side, error in zip((decode, prefill), answers) if error]
+    return [error for error in asyncio.run(both()) if error]
 
 
 def _credentials(args: argparse.Namespace, command: str) -> tuple[ClusterKey | None, TlsFiles | None, int]:
@@ -103,7 +148,7 @@ def run_link(args: argparse.Namespace) -> int:
         return code
     error = link_call(args.decode, args.prefill, args.prefill_transfer_port, args.timeout, key, tls)
     if error:
-        print(f"disagg link: {args.decode} refused: {error}", file=sys.stderr)
+        print(f"disagg link: {error}", file=sys.stderr)
         return 1
     print(f"linked decode {args.decode} to prefill {args.prefill}")
     return 0

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse
 from google.protobuf import json_format
 
 from disagg.proto import common_pb2, disagg_pd_pb2 as pb, disagg_pd_pb2_grpc, xllm_service_pb2_grpc
-from disagg.proto.vocabulary import InstanceInfo
+from disagg.proto.vocabulary import DESCRIBE_METHOD, InstanceInfo
 from disagg.workers import tracing
 from disagg.workers.engine.async_engine import EngineError
 from disagg.workers.engine.outputs import RequestOutput
@@ -242,9 +242,10 @@ def _instance_info(msg: pb.InstanceClusterInfo) -> InstanceInfo:
 
 
 def build_grpc_server(handlers: Handlers, address: str, max_message_bytes: int, guard: ControlGuard,
-                      tls: grpc.ServerCredentials | None = None) -> grpc.aio.Server:
+                      identity: InstanceInfo, tls: grpc.ServerCredentials | None = None) -> grpc.aio.Server:
     """An asyncio gRPC server of a role's handlers on `address` (not started); `guard` checks every call
-    first. With `tls` the port serves mutual TLS only (a plaintext client fails its connection)."""
+    first; `DESCRIBE_METHOD` answers `identity`. With `tls` the port serves mutual TLS only (a
+    plaintext client fails its connection)."""
     server = grpc.aio.server(interceptors=[AuthInterceptor(guard)], options=[
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
@@ -255,11 +256,22 @@ def build_grpc_server(handlers: Handlers, address: str, max_message_bytes: int, 
         xllm_service_pb2_grpc.add_XllmRpcServiceServicer_to_server(XllmRpcServicer(handlers.generations), server)
     # grpc.health.v1: what a prefill's liveness watch (and a Kubernetes gRPC probe) asks.
     health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+    server.add_generic_rpc_handlers((_describe_handler(identity.to_proto()),))
     if tls is None:
         server.add_insecure_port(address)
     else:
         server.add_secure_port(address, tls)
     return server
+
+
+def _describe_handler(identity: pb.InstanceClusterInfo) -> grpc.GenericRpcHandler:
+    async def describe(request: pb.InstanceClusterInfo, context: grpc.aio.ServicerContext) -> pb.InstanceClusterInfo:
+        return identity
+
+    service, _, method = DESCRIBE_METHOD.strip("/").partition("/")
+    return grpc.method_handlers_generic_handler(service, {method: grpc.unary_unary_rpc_method_handler(
+        describe, request_deserializer=pb.InstanceClusterInfo.FromString,
+        response_serializer=pb.InstanceClusterInfo.SerializeToString)})
 
 
 def add_link_routes(app: FastAPI, role: Callable[[], Handlers | None], guard: ControlGuard) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from disagg.proto.vocabulary import InstanceInfo
 from disagg.workers.config import Role, ServerConfig, default_kv_connections, prefill_step_cap
 from disagg.workers.engine.config import EngineConfig
 from disagg.workers.http.backend import Backend, Health, LoadedEngine, load_engine
@@ -36,8 +37,9 @@ class PDWorker:
     """A role plus its gRPC server."""
 
     def __init__(self, role: PrefillRole | DecodeRole, backend: Backend | None, server_config: ServerConfig,
-                 config: PDConfig, guard: ControlGuard) -> None:
+                 config: PDConfig, guard: ControlGuard, identity: InstanceInfo) -> None:
         self.role = role
+        self.identity = identity  # what DESCRIBE_METHOD answers
         self._backend = backend
         self._guard = guard
         self._server_config = server_config
@@ -62,7 +64,7 @@ class PDWorker:
         address = f"{self._server_config.host}:{self._server_config.grpc_port}"
         tls = self._server_config.tls
         self._grpc = build_grpc_server(self.handlers, address, self._config.max_message_bytes, self._guard,
-                                       None if tls is None else tls.grpc_server_credentials())
+                                       self.identity, None if tls is None else tls.grpc_server_credentials())
         await self._grpc.start()
         log.info("DisaggPDService of %s on %s%s", self._server_config.instance_name, address,
                  " (mutual TLS)" if tls is not None else "")
@@ -86,6 +88,11 @@ class _Parts:
     clients: PeerClients
     config: PDConfig
     guard: ControlGuard  # checks every control call
+    instance_name: str
+
+    @property
+    def identity(self) -> InstanceInfo:
+        return InstanceInfo(self.instance_name, self.transfer_address)
 
 
 def build_prefill(engine_config: EngineConfig, server_config: ServerConfig,
@@ -101,7 +108,7 @@ def build_prefill(engine_config: EngineConfig, server_config: ServerConfig,
     if server_config.cpu_turn_dir is not None:
         loaded.engine.set_step_gate(PrefillTurns(server_config.cpu_turn_dir, prefill_step_cap(engine_config)))
     loaded.engine.start()  # after the role installed its layer hook
-    return PDWorker(role, role, server_config, parts.config, parts.guard)
+    return PDWorker(role, role, server_config, parts.config, parts.guard, parts.identity)
 
 
 def build_decode(engine_config: EngineConfig, server_config: ServerConfig,
@@ -114,7 +121,7 @@ def build_decode(engine_config: EngineConfig, server_config: ServerConfig,
     if server_config.cpu_turn_dir is not None:
         loaded.engine.set_step_gate(DecodeTurns(server_config.cpu_turn_dir, server_config.cpu_turn_wait_s))
     loaded.engine.start()
-    return PDWorker(role, None, server_config, parts.config, parts.guard)
+    return PDWorker(role, None, server_config, parts.config, parts.guard, parts.identity)
 
 
 def _load(engine_config: EngineConfig, server_config: ServerConfig, metrics: WorkerMetrics,
@@ -142,4 +149,4 @@ def _load(engine_config: EngineConfig, server_config: ServerConfig, metrics: Wor
     transfer_address = f"{server_config.instance_host}:{bound.rpartition(':')[2]}"
     guard = ControlGuard(key, server_config.allow_anonymous_peers, metrics.count_auth_failure)
     tls = None if server_config.tls is None else server_config.tls.grpc_channel_credentials()
-    return _Parts(loaded, transport, transfer_address, PeerClients(config, key, tls), config, guard)
+    return _Parts(loaded, transport, transfer_address, PeerClients(config, key, tls), config, guard, name)
