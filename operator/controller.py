@@ -152,6 +152,8 @@ class ClusterController:
             self._event(body, "Normal" if band.satisfied else "Warning",
                         "RatioBand" if band.satisfied else "RatioBandUnsatisfiable", f"ratio band: {band.reason}",
                         key=("RatioBand", band.reason))
+        else:  # the next clamp is reported again, even with the same reason
+            self.reported = {k for k in self.reported if k[0] != "RatioBand"}
         self.deps.metrics.export_band(self.namespace, self.name, {
             role: band.counts[role].desired - state.count.desired for role, state in roles.items()}, band.satisfied)
         roles = {role: replace(state, count=band.counts[role]) for role, state in roles.items()}
@@ -201,7 +203,8 @@ class ClusterController:
     async def _autoscale(self, body: kopf.Body, spec: ClusterSpec, views: Sequence[PodView],
                          in_rollout: Mapping[str, bool]) -> None:
         """When due, the built-in autoscaler's counts into `recommended` (scaler.py); nothing without it.
-        The band is left to apply_ratio, which clamps every owner's counts in one place."""
+        Its decision holds the band (what it reports is what the pass will do); apply_ratio then
+        finds the counts inside the band already."""
         auto = spec.scaling.autoscaler
         if auto is None:
             self.scaler, self.recommended, self.scaled = None, {}, {}
@@ -209,12 +212,17 @@ class ClusterController:
         settings = self.deps.settings
         if self.scaler is None:
             self.scaler = Scaler(settings.autoscaler_window_s, settings.autoscaler_interval_s)
+            scaling = (body.get("status") or {}).get("scaling") or {}  # what a previous operator reported
+            self.scaler.last_scale_time.update({role: scaling[role]["lastScaleTime"] for role in ROLES
+                                                if (scaling.get(role) or {}).get("lastScaleTime")})
         now = time.monotonic()
         if not self.scaler.due(now):
             return
-        # Where the roles are: the counts the last pass scaled them to; at first, the cluster's own.
-        current = {role: self.scaled.get(role, spec.role(role).replicas) for role in ROLES}
-        decision = await self.scaler.run(self.deps.http, auto, None, views, current, in_rollout, now)
+        # Where the roles are: the counts the last pass scaled them to; at first (a restarted operator,
+        # or the autoscaler taking over) the roles' own, so that nothing shrinks past the window.
+        current = {role: self.scaled[role] if role in self.scaled else await self._role_replicas(spec, role)
+                   for role in ROLES}
+        decision = await self.scaler.run(self.deps.http, auto, spec.scaling.ratio, views, current, in_rollout, now)
         self.recommended = {role: d.desired for role, d in decision.roles.items()}
         for role, d in decision.roles.items():
             if d.acted:
@@ -226,6 +234,11 @@ class ClusterController:
             self._event(body, "Warning", "AutoscalerHolding", condition.message,
                         key=("AutoscalerHolding", condition.reason))
         self.deps.metrics.export_autoscaler(self.namespace, self.name, decision, self.scaler.latency_p90_s)
+
+    async def _role_replicas(self, spec: ClusterSpec, role: str) -> int:
+        """The role's size as its DisaggRole says (what a scaler last set), else the cluster's spec."""
+        obj = await self.deps.kube.read_object(self.namespace, ROLE_PLURAL, child_name(self.name, role))
+        return spec.role(role).replicas if obj is None else read_child(obj).replicas
 
     async def _keep_role(self, body: kopf.Body, spec: ClusterSpec, role: str, in_rollout: bool) -> RoleState:
         """Decide the role's count (roles.decide_count) and keep its DisaggRole: made when missing,

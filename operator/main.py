@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 import kopf
@@ -19,9 +20,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="out of a cluster: the kubeconfig to use (default: $KUBECONFIG or ~/.kube/config)")
     p.add_argument("--standalone", action="store_true",
                    help="no peering with other operator replicas (tests and local runs only)")
-    p.add_argument("--liveness-port", type=int, default=8081,
+    p.add_argument("--liveness-port", type=_port_or_none, default=8081,
                    help="serve the liveness endpoint /healthz on this port (0: none; default %(default)s)")
     p.add_argument("--verbose", action="store_true", help="debug logging")
+
+
+def _port_or_none(text: str) -> int:
+    """An argparse type: a port number, or 0 for none."""
+    if not (text.isdigit() and int(text) <= 65535):
+        raise argparse.ArgumentTypeError(f"expected a port from 0 (none) to 65535, got {text!r}")
+    return int(text)
 
 
 def run_operator(namespaces: list[str], standalone: bool = False, kubeconfig: str | None = None,
@@ -33,6 +41,9 @@ def run_operator(namespaces: list[str], standalone: bool = False, kubeconfig: st
         settings = OperatorSettings.from_env()
     except ValueError as e:
         print(f"disagg operator: {e}", file=sys.stderr)
+        return 2
+    if kubeconfig is not None and not os.access(kubeconfig, os.R_OK):  # kopf would retry it every minute
+        print(f"disagg operator: cannot read the kubeconfig {kubeconfig!r}", file=sys.stderr)
         return 2
     watched = settings.watched(namespaces)
     import disagg.operator.handlers  # noqa: F401  (registers the handlers)

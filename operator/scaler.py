@@ -21,6 +21,8 @@ from disagg.operator.reconcile import PodView
 from disagg.operator.scaling import ROLES, AutoscalerSpec, RatioBand, Role
 
 METRICS_HOLDS = (HOLD_MISSING, HOLD_STALE)
+# What status.scaling.<role> holds while the autoscaler owns the role (`Scaler.role_status`).
+ROLE_STATUS_KEYS = ("outcome", "hold", "reason", "lastScaleTime")
 
 
 @dataclass(frozen=True)
@@ -77,8 +79,7 @@ class Scaler:
         """What status.scaling.<role> adds while the autoscaler owns the role."""
         assert self.decision is not None, "the status is written after a decision"
         (d,) = (d for r, d in self.decision.roles.items() if r == role)
-        return {"outcome": d.outcome, "hold": d.hold or "", "reason": d.reason,
-                "lastScaleTime": self.last_scale_time.get(role, "")}
+        return dict(zip(ROLE_STATUS_KEYS, (d.outcome, d.hold or "", d.reason, self.last_scale_time.get(role, ""))))
 
     def metrics_condition(self) -> MetricsCondition:
         assert self.decision is not None, "the condition is written after a decision"

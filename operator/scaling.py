@@ -189,8 +189,10 @@ def parse_scaling(scaling: Mapping[str, Any] | None) -> ScalingSpec:
     auto_dict = _mapping(scaling, "autoscaler", where)
     if auto_dict is not None:
         auto = _parse_autoscaler(auto_dict, f"{where}.autoscaler")
-    if band is not None and auto is not None and not satisfiable(band, auto.bounds["prefill"], auto.bounds["decode"]):
-        p, d = auto.bounds["prefill"], auto.bounds["decode"]
+    # Without the autoscaler's bounds, a serving cluster's: one pod of each role up to what replicas allow.
+    any_count = RoleBounds(1, MAX_REPLICAS)
+    p, d = (any_count, any_count) if auto is None else (auto.bounds["prefill"], auto.bounds["decode"])
+    if band is not None and not satisfiable(band, p, d):
         raise ScalingSpecError(
             f"{where}.ratio: no counts satisfy the band {ratio!r} with prefill in "
             f"[{p.min_replicas}, {p.max_replicas}] and decode in [{d.min_replicas}, {d.max_replicas}]")

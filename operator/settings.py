@@ -75,6 +75,10 @@ class OperatorSettings:
                      "autoscaler_interval_s", "autoscaler_window_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{PREFIX}{name.upper()} must be positive, got {getattr(self, name)}")
+        if self.autoscaler_window_s < 2 * self.autoscaler_interval_s:  # rates and latencies need two samples
+            raise ValueError(f"{PREFIX}AUTOSCALER_WINDOW_S ({self.autoscaler_window_s}) must be at least twice "
+                             f"{PREFIX}AUTOSCALER_INTERVAL_S ({self.autoscaler_interval_s}): latencies and rates "
+                             "need two samples of each pod within the window")
         if self.drain_grace_s < 0:
             raise ValueError(f"{PREFIX}DRAIN_GRACE_S must not be negative, got {self.drain_grace_s}")
         if self.link_concurrency < 1:

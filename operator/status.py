@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from disagg.operator import manifests as m
-from disagg.operator.scaler import Scaler
+from disagg.operator.scaler import ROLE_STATUS_KEYS, Scaler
 from disagg.operator.snapshot import ClusterSnapshot
 from disagg.operator.spec import AUTOSCALER, ROLES, ClusterSpec
 
@@ -139,9 +139,11 @@ def build_status(cluster: str, namespace: str, generation: int, spec: ClusterSpe
         "observedGeneration": generation,
         "prefill": roles["prefill"].status(),
         "decode": roles["decode"].status(),
+        # None deletes what the autoscaler wrote while it owned the role (the status is a merge patch).
         "scaling": {**{role: {"owner": owners[role], "desired": spec.role(role).replicas,
                               **(scaler.role_status(role) if owners[role] == AUTOSCALER and scaler is not None
-                                 and scaler.decision is not None else {})} for role in ROLES},
+                                 and scaler.decision is not None else dict.fromkeys(ROLE_STATUS_KEYS))}
+                       for role in ROLES},
                     "ratio": ratio or ""},
         "links": {"desired": links.desired, "established": links.established, "failed": links.failed},
         "linksSummary": f"{links.established}/{links.desired}",
@@ -154,4 +156,12 @@ def build_status(cluster: str, namespace: str, generation: int, spec: ClusterSpe
 
 
 def status_changed(new: Mapping[str, Any], current: Mapping[str, Any]) -> bool:
-    return any(current.get(k) != v for k, v in new.items())
+    """Whether patching `new` (a merge patch, where None deletes a key) would change `current`."""
+    return any(_applied(current.get(k)) != _applied(v) for k, v in new.items())
+
+
+def _applied(value: Any) -> Any:
+    """What a merge patch leaves of `value`: its None-valued keys gone, at every depth."""
+    if isinstance(value, Mapping):
+        return {k: _applied(v) for k, v in value.items() if v is not None}
+    return value

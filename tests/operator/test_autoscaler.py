@@ -117,6 +117,13 @@ def test_parse_refuses_bad_input_with_the_field_named(overrides: Mapping[str, An
         parse(overrides, ratio)  # type: ignore[arg-type]
 
 
+def test_a_band_alone_is_refused_when_no_cluster_can_meet_it() -> None:
+    """Without an autoscaler the counts go up to what replicas allow, one pod of each role at least."""
+    with pytest.raises(ScalingSpecError, match="no counts satisfy the band .* prefill in \\[1, 256\\]"):
+        parse_scaling({"ratio": {"minPrefillPerDecode": "300", "maxPrefillPerDecode": "1000"}})
+    assert parse_scaling({"ratio": {"minPrefillPerDecode": "256", "maxPrefillPerDecode": "256"}}).ratio is not None
+
+
 def test_schema_matches_the_parser_defaults_and_pattern() -> None:
     schema = scaling_schema()
     auto = schema["properties"]["autoscaler"]["properties"]

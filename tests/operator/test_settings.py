@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import socket
 from pathlib import Path
+from typing import Any
 
 import httpx
 import kopf
@@ -12,6 +14,7 @@ import yaml
 from kubernetes.config.config_exception import ConfigException
 
 from disagg.operator import handlers
+from disagg.operator.main import add_arguments, run_operator
 from disagg.operator.settings import PREFIX, OperatorSettings, configure
 
 
@@ -32,6 +35,7 @@ def test_every_kind_of_setting_parses() -> None:
     ("WORKER_SECURITY_CONTEXT", "[1]", "expected a JSON object"),
     ("WORKER_POD_SECURITY_CONTEXT", "{not json", "DISAGG_OPERATOR_WORKER_POD_SECURITY_CONTEXT"),
     ("PRIORITY", str(2**40), "must fit in 32 bits"),
+    ("AUTOSCALER_WINDOW_S", "20", "must be at least twice DISAGG_OPERATOR_AUTOSCALER_INTERVAL_S"),  # 15 s apart
 ])
 def test_bad_settings_name_the_variable(name: str, raw: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -87,3 +91,14 @@ async def test_a_retried_startup_binds_the_metrics_port_once(tmp_path: Path) -> 
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2).text
     assert "disagg_operator_reconcile_duration_seconds" in text
     await handlers.cleanup(memo=memo)
+
+
+def test_an_unreadable_kubeconfig_or_a_bad_port_stops_the_operator_at_once(tmp_path: Path, capsys: Any) -> None:
+    """kopf would retry a missing kubeconfig every minute, for ever."""
+    assert run_operator([], kubeconfig=str(tmp_path / "missing")) == 2
+    assert "cannot read the kubeconfig" in capsys.readouterr().err
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--liveness-port", "70000"])
+    assert parser.parse_args(["--liveness-port", "0"]).liveness_port == 0

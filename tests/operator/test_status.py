@@ -11,7 +11,7 @@ from disagg.operator.links import LinkResult
 from disagg.operator.reconcile import LinkPlan, PodView, plan_links, pod_view
 from disagg.operator.snapshot import take_snapshot
 from disagg.operator.spec import ClusterSpec
-from disagg.operator.status import build_status
+from disagg.operator.status import build_status, status_changed
 
 NOW = "2025-01-01T00:00:00Z"
 OWNERS = {"prefill": "static", "decode": "static"}
@@ -79,7 +79,20 @@ def test_the_status_says_who_owns_each_count_and_counts_against_it(spec: Cluster
     decided = spec.with_replicas({"decode": 3})
     snap = take_snapshot(views, LinkGraph(), LinkPlan(), m.current_templates(decided))
     status = build_status("llm", "ns", 1, decided, snap, {}, NOW, {"prefill": "static", "decode": "external"})
-    assert status["scaling"] == {"prefill": {"owner": "static", "desired": 1},
-                                 "decode": {"owner": "external", "desired": 3}, "ratio": ""}
+    gone = dict.fromkeys(["outcome", "hold", "reason", "lastScaleTime"])  # a merge patch deletes them
+    assert status["scaling"] == {"prefill": {"owner": "static", "desired": 1, **gone},
+                                 "decode": {"owner": "external", "desired": 3, **gone}, "ratio": ""}
     assert status["decodeReady"] == "0/3"
     assert conditions(status)["Progressing"] == ("True", "Scaling")
+
+
+def test_the_autoscalers_fields_leave_the_status_with_it_and_the_status_then_settles() -> None:
+    """Once another owner takes a role, the autoscaler's fields are deleted (None in a merge patch),
+    and a status stored without them is the same status: no patch on every pass."""
+    stored = {"scaling": {"decode": {"owner": "autoscaler", "desired": 2, "outcome": "scale-down", "hold": "",
+                                     "reason": "idle", "lastScaleTime": NOW}, "ratio": ""}}
+    new = {"scaling": {"decode": {"owner": "static", "desired": 2, "outcome": None, "hold": None, "reason": None,
+                                  "lastScaleTime": None}, "ratio": ""}}
+    assert status_changed(new, stored)
+    after_patch = {"scaling": {"decode": {"owner": "static", "desired": 2}, "ratio": ""}}
+    assert not status_changed(new, after_patch)

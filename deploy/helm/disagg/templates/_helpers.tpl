@@ -113,6 +113,9 @@ Value combinations the schema cannot express. Each one fails the install with
 {{- if and (not $v.serviceAccount.create) (not $v.serviceAccount.name) }}
 {{- fail "ERROR: serviceAccount.create=false needs serviceAccount.name, the existing account the operator runs as" }}
 {{- end }}
+{{- if lt (float64 $v.operator.autoscalerWindowSeconds) (mulf 2 (float64 $v.operator.autoscalerIntervalSeconds)) }}
+{{- fail "ERROR: operator.autoscalerWindowSeconds must be at least twice operator.autoscalerIntervalSeconds: latencies and rates need two samples of each pod within the window" }}
+{{- end }}
 {{- if eq (int $v.metrics.port) (int $v.operator.healthPort) }}
 {{- fail "ERROR: metrics.port and operator.healthPort must differ: they are two servers in one container" }}
 {{- end }}
