@@ -114,9 +114,14 @@ class WorkerMetrics:
             "(lost, hung, aborted, idle).", ["reason"], registry=r)
         for reason in MIGRATION_REASONS:
             self.migrations.labels(reason=reason)
+        # The contract's counter has the decision only (DESIGN.md); why each was made, beside it.
         self.pd_decisions = Counter(
             "disagg_pd_decision",
             "A prefill's choice per request: hand off to a decode, or serve it locally (workers/pd/decision.py).",
+            ["decision"], registry=r)
+        self.pd_decision_reasons = Counter(
+            "disagg_pd_decision_reasons",
+            "The prefill's choices per request (disagg_pd_decision_total) by why each was made.",
             ["decision", "reason"], registry=r)
         self.kv_transfer_skipped_blocks = Counter(
             "disagg_kv_transfer_skipped_blocks",
@@ -140,6 +145,10 @@ class WorkerMetrics:
             self.requests.labels(role=role, status=status)
         for path in AUTH_PATHS:
             self.auth_failures.labels(path=path)
+
+    def count_pd_decision(self, decision: str, reason: str) -> None:
+        self.pd_decisions.labels(decision=decision).inc()
+        self.pd_decision_reasons.labels(decision=decision, reason=reason).inc()
 
     def count_auth_failure(self, path: str) -> None:
         assert path in AUTH_PATHS, f"unknown auth path {path!r}"

@@ -23,7 +23,8 @@ would cost more than it saves, judged from measured quantities:
    When that overhead exceeds the computation itself, serve locally. Until
    all three are measured, hand off.
 
-Every choice is counted in `disagg_pd_decision_total{decision,reason}` and
+Every choice is counted in `disagg_pd_decision_total{decision}` (and by why in
+`disagg_pd_decision_reasons_total{decision,reason}`), and
 named in the response (`usage.served_by`).
 """
 

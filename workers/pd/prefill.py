@@ -38,7 +38,7 @@ from opentelemetry.util.types import AttributeValue
 from disagg.workers import tracing
 from disagg.workers.engine.async_engine import AsyncEngine, EngineStats
 from disagg.workers.engine.llm_engine import LLMEngine
-from disagg.workers.engine.outputs import RequestOutput
+from disagg.workers.engine.outputs import FinishReason, RequestOutput
 from disagg.workers.engine.sampling_params import SamplingParams
 from disagg.workers.engine.tokenizer import Tokenizer
 from disagg.workers.http.backend import EngineHealth, ModelInfo
@@ -48,7 +48,14 @@ from disagg.workers.pd.clients import PeerClients
 from disagg.proto.vocabulary import PDPolicy
 from disagg.workers.pd.config import PDConfig
 from disagg.workers.pd.decision import CostModel, DecisionPolicy, Path
-from disagg.workers.pd.errors import DecodeFailed, RequestFailed, RequestRefused
+from disagg.workers.pd.errors import (
+    DecodeFailed,
+    NoDecodeAvailable,
+    PeerTimeout,
+    PeerUnavailable,
+    RequestFailed,
+    RequestRefused,
+)
 from disagg.workers.pd.liveness import LivenessWatch
 from disagg.workers.pd.messages import FirstToken, NewRequest, TransferMode
 from disagg.workers.pd.pusher import KVPusher
@@ -75,6 +82,7 @@ class _Call:
     task: asyncio.Task[None] | None = None  # the current attempt (the first, or a migration)
     migrations: int = 0
     moved_because: str = ""  # why its last decode failed it, once it moved
+    moved_kind: str = ""  # the same as a disagg_request_migrations_total reason, counted once the move succeeds
     relay_span: Span | None = None  # the relay of its tokens to the client, when tracing
 
 
@@ -200,37 +208,55 @@ class PrefillRole(EngineHealth["AsyncEngine[LLMEngine]"]):
     # --- migration ---------------------------------------------------------------
 
     def _stream_failed(self, stream: Stream, kind: str, message: str) -> None:
-        """A stream's decode failed it: continue it on another decode, or fail it (the relay's hook).
+        """A stream's decode failed it: continue it on another decode (or here, when none is
+        left), or fail it (the relay's hook).
 
         The continuation is the prompt plus every token the client has, with the rest of the
         token budget; a seeded generator skips the draws already made, so greedy and seeded
-        streams go on exactly as if nothing had happened (docs/pd-wire.md)."""
+        streams go on exactly as if nothing had happened (docs/pd-wire.md). A decode lost
+        before it took the request (this prefill still computing or handing off) is the same
+        move, once the attempt under way has cleaned up."""
         call = self._calls.get(stream.client_id)
-        if call is None or not call.started_on_decode:  # lost before its decode took it: nothing to continue
+        if call is None:
             fail_stream(stream, kind, message)
             return
-        original = stream.request.sampling_params
-        sent = list(stream.request.output_token_ids)
-        left = original.max_tokens - len(sent)
+        self._begin_move(call, stream, kind, message, None if call.started_on_decode else call.task)
+
+    def _begin_move(self, call: _Call, stream: Stream, kind: str, message: str,
+                    under_way: asyncio.Task[None] | None) -> None:
+        """Move the stream (or fail it, past --max-migrations), after cancelling the attempt
+        `under_way`, which has not handed the request off yet."""
+        left = stream.request.sampling_params.max_tokens - stream.request.num_output_tokens
         if call.migrations >= self._config.max_migrations or left <= 0:
             fail_stream(stream, kind, f"{message}; not moved to another decode "
                                       f"(moved {call.migrations} of at most {self._config.max_migrations} times)")
             return
         log.warning("request %s: %s; moving it to another decode after %d tokens", stream.client_id, message,
-                    len(sent))
-        self._metrics.migrations.labels(reason=kind).inc()
+                    stream.request.num_output_tokens)
+        call.migrations += 1
+        call.moved_because, call.moved_kind = message, kind
+        # At once, so that nothing the failed decode still sends reaches the client.
+        self.relay.rebind(stream, f"{stream.client_id}~{call.migrations}")
+        if under_way is not None:
+            under_way.cancel()  # its cleanup frees what it holds, here and on the decode
+        self._attempt(call, self._move(call, stream, under_way))
+
+    async def _move(self, call: _Call, stream: Stream, under_way: asyncio.Task[None] | None) -> None:
+        """Continue a failed stream as a new attempt, after the one under way (if any) has
+        cleaned up with its own request id, reservation and held blocks."""
+        if under_way is not None:
+            await asyncio.wait([under_way])  # bounded: its cleanup's calls all have deadlines
         if call.route is not None:
             self.router.done(call.route.decode)
-        call.migrations += 1
-        call.moved_because = message
-        call.req_id = f"{stream.client_id}~{call.migrations}"
+        original = stream.request.sampling_params
+        sent = stream.request.num_output_tokens
+        call.req_id = stream.wire_id
         call.prompt = list(stream.request.token_ids)  # the prompt, then every token the client has
         # The client has the prompt's logprobs: the continuation's prefill need not compute them again.
-        call.params = dataclasses.replace(call.params, max_tokens=left, draws_made=original.draws_made + len(sent),
-                                          prompt_logprobs=None)
+        call.params = dataclasses.replace(call.params, max_tokens=original.max_tokens - sent,
+                                          draws_made=original.draws_made + sent, prompt_logprobs=None)
         call.route, call.held, call.started_on_decode = None, False, False
-        self.relay.rebind(stream, call.req_id)
-        self._attempt(call, self._run(call, migrated=True))
+        await self._run(call, migrated=True)
 
     async def abort(self, request_id: str) -> None:
         """End a live request's stream with an "abort" output; its generator's exit cleans up."""
@@ -245,14 +271,20 @@ class PrefillRole(EngineHealth["AsyncEngine[LLMEngine]"]):
         try:
             if not migrated:
                 path, reason = await self._choose(call)
-                self._metrics.pd_decisions.labels(decision=path.value, reason=reason).inc()
+                self._metrics.count_pd_decision(path.value, reason)
                 if path is Path.LOCAL:
                     await self._serve_locally(call)
                     return
             request = NewRequest(call.req_id, call.prompt, dataclasses.replace(call.params, stop=()), self._name)
             began = time.monotonic()
             with tracing.span("route", {tracing.REQUEST_ID: call.req_id}):  # AddNewRequests calls are its children
-                call.route = await self.router.reserve(request, call.stream.request.num_blocks)
+                try:
+                    call.route = await self.router.reserve(request, call.stream.request.num_blocks)
+                except NoDecodeAvailable:
+                    if not migrated:
+                        raise
+                    await self._continue_here(call)
+                    return
                 if tracing.is_enabled():
                     tracing.annotate(_route_attributes(call.route))
             reserve_s = time.monotonic() - began
@@ -262,6 +294,8 @@ class PrefillRole(EngineHealth["AsyncEngine[LLMEngine]"]):
             await self._clients.first_generation(call.route.address, first)
             self.costs.round_trip_s.observe(reserve_s + time.monotonic() - began)
             call.started_on_decode = True
+            if migrated:
+                self._metrics.migrations.labels(reason=call.moved_kind).inc()
             skipped = call.route.num_cached_blocks
             self._metrics.kv_transfer_skipped_blocks.inc(skipped)
             if self._mode is TransferMode.PULL:
@@ -276,7 +310,11 @@ class PrefillRole(EngineHealth["AsyncEngine[LLMEngine]"]):
             await asyncio.shield(self._cleanup(call))  # a client gone meanwhile must not cut it short
         finally:
             await asyncio.shield(self._release(call))
-        if error is not None and migrated:
+        if isinstance(error, (DecodeFailed, PeerUnavailable, PeerTimeout)) and call.route is not None \
+                and not call.stream.closed:  # the decode failed the hand-off: as if it went away (done cleaning)
+            self._begin_move(call, call.stream, "lost", f"the decode instance {call.route.decode} failed the "
+                                                         f"hand-off: {error}", None)
+        elif error is not None and migrated:
             call.stream.put(DecodeFailed(f"{call.moved_because}; no other decode could continue it: {error}"))
         elif error is not None:
             call.stream.put(error if isinstance(error, RequestFailed)
@@ -297,6 +335,20 @@ class PrefillRole(EngineHealth["AsyncEngine[LLMEngine]"]):
         try:
             async for out in self._engine.generate(call.req_id, call.prompt, call.params):
                 call.stream.put(dataclasses.replace(out, served_by=SERVED_LOCALLY))
+        finally:
+            self._local -= 1
+
+    async def _continue_here(self, call: _Call) -> None:
+        """The rest of a moved stream on this prefill's own engine, when no decode can take it.
+        Its tokens go through the relay as a decode's do, so stop strings and usage go on exactly."""
+        self._metrics.migrations.labels(reason=call.moved_kind).inc()
+        self._local += 1
+        try:
+            async for out in self._engine.generate(call.req_id, call.prompt, dataclasses.replace(call.params, stop=())):
+                if out.finish_reason is FinishReason.ABORT:
+                    raise DecodeFailed(f"this prefill's engine aborted request {call.req_id}")
+                if not self.relay.forward_own(call.stream, out):
+                    return  # the client's request ended here (a stop string): the engine's is aborted
         finally:
             self._local -= 1
 
@@ -336,20 +388,23 @@ class PrefillRole(EngineHealth["AsyncEngine[LLMEngine]"]):
         return FirstToken(call.req_id, token_id, logprob, TransferMode.PULL, ttft, self._transfer_address, blocks)
 
     async def _release(self, call: _Call) -> None:
-        """Free the prompt blocks the engine held after the hand-off."""
-        await revoke_settled(self._transport.access, call.req_id, self._config.transfer_timeout_s)
-        if call.held:
-            call.held = False
-            await self._engine.release(call.req_id)
+        """Free the prompt blocks the engine held after the hand-off (of this attempt: what it
+        reads of `call` is read first, as a move may start the next attempt meanwhile)."""
+        req_id, held = call.req_id, call.held
+        call.held = False
+        await revoke_settled(self._transport.access, req_id, self._config.transfer_timeout_s)
+        if held:
+            await self._engine.release(req_id)
 
     async def _cleanup(self, call: _Call) -> None:
         """After a failure or a cancel before FirstGeneration succeeded: let the
-        pushes in flight land, then free the reservation on the decode."""
-        drain = self.pusher.stop(call.req_id)
-        self._engine.abort(call.req_id)
+        pushes in flight land, then free the reservation on the decode (of this attempt, as `_release`)."""
+        req_id, route, reserved = call.req_id, call.route, not call.started_on_decode
+        drain = self.pusher.stop(req_id)
+        self._engine.abort(req_id)
         # A barrier: engine calls run between steps, so no push of this request starts after it.
         await self._engine.call(lambda e: None)
         if drain is not None:
             await asyncio.to_thread(drain)
-        if call.route is not None and not call.started_on_decode:
-            await self.router.cancel(call.route, call.req_id)
+        if route is not None and reserved:
+            await self.router.cancel(route, req_id)

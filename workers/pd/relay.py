@@ -100,9 +100,14 @@ class TokenRelay:
     def first_token(self, stream: Stream, hand_off: RequestOutput) -> None:
         """The token the prefill sampled, to the client, with what only the prefill's
         forward knows: the prompt's cached part and its logprobs."""
-        stream.request.num_cached_tokens = hand_off.num_cached_tokens
+        if not stream.request.num_output_tokens:  # a moved stream's continuation caches more than the client's prompt
+            stream.request.num_cached_tokens = hand_off.num_cached_tokens
         self._forward(stream, hand_off, None, hand_off.prompt_logprobs)
         stream.handed_off = True
+
+    def forward_own(self, stream: Stream, out: RequestOutput) -> bool:
+        """The prefill's own tokens for a stream no decode could continue; False once it ended."""
+        return not self._forward(stream, out, out.finish_reason if out.finished else None).finished
 
     async def generations(self, outputs: list[RequestOutput]) -> list[bool]:
         """A decode's deltas to their clients; False for requests no longer relayed."""
