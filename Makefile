@@ -24,9 +24,10 @@ demo: setup
 	$(BIN)/disagg demo
 
 ## The operator's demo: the local cluster, `helm install` of the chart, `kubectl apply` of
-## the CPU example, a chat answer; the cluster stays up (`make cluster-down` ends it).
+## the CPU example, a chat answer, the tear-down (KEEP=1 leaves the cluster up; `make
+## cluster-down` ends it then).
 demo-k8s: setup k8s-binaries
-	$(BIN)/python -m disagg.testing demo
+	$(BIN)/python -m disagg.testing demo $(if $(KEEP),--keep)
 
 ## The type check, then the whole test suite (builds the Kubernetes and KEDA binaries into a
 ## cache the first time).

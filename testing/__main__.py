@@ -16,8 +16,11 @@ def main() -> int:
                              "demo: up, then the operator's demo (helm, kubectl)")
     parser.add_argument("--runtime-dir", type=Path, default=default_runtime_dir(),
                         help="state, logs and kubeconfigs (default: %(default)s)")
+    parser.add_argument("--keep", action="store_true", help="demo: leave the cluster up at the end")
     args = parser.parse_args()
-    commands = {"up": up, "down": down, "serve": serve, "demo": demo}
+    if args.command == "demo":
+        return demo(args.runtime_dir, keep=args.keep)
+    commands = {"up": up, "down": down, "serve": serve}
     return commands[args.command](args.runtime_dir)
 
 

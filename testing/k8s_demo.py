@@ -5,8 +5,9 @@ the local control plane and kubelet (`up`), `helm install` of the chart (the
 operator runs as the chart Deployment's pod under the local kubelet, with its
 ServiceAccount's token), `kubectl apply -f` of the CPU example, `kubectl get
 dc -w` until it is Available, one chat answer from the pod behind the prefill
-Service, and `kubectl get dc,dr,pods`. The cluster stays up for more; `down`
-tears it all down. Every step has a deadline.
+Service, `kubectl get dc,dr,pods`, and the tear-down (`down`), unless asked to
+keep the cluster up for more (`--keep`, `make demo-k8s KEEP=1`). Every step has
+a deadline.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 import httpx
 
 from disagg.testing.binaries import REPO_ROOT
-from disagg.testing.daemon import read_state, up
+from disagg.testing.daemon import down, read_state, up
 
 CHART = REPO_ROOT / "deploy" / "helm" / "disagg"
 EXAMPLE = REPO_ROOT / "deploy" / "examples" / "cpu-disaggcluster.yaml"
@@ -107,8 +108,20 @@ def _chat(shell: Shell, timeout_s: float) -> str:
     return answer
 
 
-def demo(runtime_dir: Path, ready_timeout_s: float = 900.0) -> int:
+def demo(runtime_dir: Path, keep: bool = False, ready_timeout_s: float = 900.0) -> int:
+    """The demo; its exit code. Without `keep` the cluster is torn down at the end, whatever happened."""
     began = time.monotonic()
+    try:
+        code = _demo(runtime_dir, keep, ready_timeout_s)
+    finally:
+        if not keep:
+            print(f"$ {sys.executable} -m disagg.testing down   (make demo-k8s KEEP=1 keeps the cluster up)", flush=True)
+            down(runtime_dir)
+    print(f"\n{'done' if code == 0 else 'failed'} in {time.monotonic() - began:.0f} s")
+    return code
+
+
+def _demo(runtime_dir: Path, keep: bool, ready_timeout_s: float) -> int:
     if up(runtime_dir) != 0:
         return 1
     state = read_state(runtime_dir)
@@ -131,8 +144,11 @@ def demo(runtime_dir: Path, ready_timeout_s: float = 900.0) -> int:
     except DemoError as e:
         print(f"demo-k8s failed: {e}\npod logs: {state['pod_logs']}", file=sys.stderr)
         return 1
-    print(f"\ndone in {time.monotonic() - began:.0f} s. Try it yourself:")
+    if not keep:
+        return 0
+    print("Try it yourself:")
     print(f"  export KUBECONFIG={state['admin_kubeconfig']} PATH={state['binaries']}:$PATH")
     print(f"  kubectl get dc,dr,pods -n {RELEASE_NAMESPACE}   (pod logs: {state['pod_logs']})")
-    print(f"tear it all down: make cluster-down   ({sys.executable} -m disagg.testing down --runtime-dir {runtime_dir})")
+    print(f"then tear it all down: make cluster-down   ({sys.executable} -m disagg.testing down "
+          f"--runtime-dir {runtime_dir})")
     return 0
