@@ -8,10 +8,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from disagg.proto.vocabulary import (
     ADMIN_PORT_OFFSET, API_KEY_ENV, DEVICES, DTYPES, KV_CHECKSUMS, PD_POLICIES, TRANSFER_MODES, TRANSPORTS, PDPolicy,
@@ -22,6 +23,8 @@ from disagg.workers.config import (
 from disagg.workers.engine.config import EngineConfig
 from disagg.workers.security.key import KEY_ENV, KEY_FILE_ENV, ClusterKey, default_key_file, key_from_environment
 from disagg.workers.security.tls import CA_FILE, CERT_FILE, KEY_FILE, TlsFiles
+
+N = TypeVar("N", int, float)
 
 
 
@@ -130,6 +133,21 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                           "the TPOT its requests give up to them (default %(default)g)")
     eng.add_argument("--seed", type=int, default=_default(e, "seed"),
                      help="seed of requests that give none (default %(default)s)")
+
+
+def positive(kind: Callable[[str], N]) -> Callable[[str], N]:
+    """An argparse type: a number of `kind` above 0 and finite (a timeout of 0, -1 or nan is refused)."""
+    def parse(text: str) -> N:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not 0 < value < math.inf:
+            raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text!r}")
+        return value
+
+    parse.__name__ = f"positive {kind.__name__}"
+    return parse
 
 
 def _json_strings(text: str) -> list[str]:

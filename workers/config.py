@@ -10,7 +10,7 @@ from __future__ import annotations
 import ipaddress
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from disagg.proto.vocabulary import (
@@ -38,6 +38,10 @@ __all__ = ["CorsPolicy", "Role", "ServerConfig", "TransferMode", "Transport", "d
            "default_step_tokens", "default_threads", "usable_cpus"]
 
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")  # cgroup v2: "<quota> <period>" or "max <period>"
+# What only a prefill or a decode reads: its KV transfer, hand-off policy and migrations (`ignored_settings`).
+_PD_SETTINGS = frozenset({"kv_transfer_mode", "kv_transport", "kv_connections", "kv_checksum", "stream_idle_timeout_s",
+                          "kv_prefix_reuse", "max_migrations", "pd_policy", "pd_local_max_tokens",
+                          "pd_local_max_running"})
 
 
 @dataclass(frozen=True)
@@ -139,8 +143,8 @@ class ServerConfig:
         DecisionPolicy(self.pd_policy, self.pd_local_max_tokens, self.pd_local_max_running)  # raises if out of range
         if self.max_migrations < 0:
             raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
-        if self.stream_idle_timeout_s <= 0:
-            raise ValueError(f"stream_idle_timeout_s must be positive, got {self.stream_idle_timeout_s}")
+        if not 0 < self.stream_idle_timeout_s < math.inf:  # NaN too: it would turn the idle failover off
+            raise ValueError(f"stream_idle_timeout_s must be positive and finite, got {self.stream_idle_timeout_s}")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
         if self.kv_connections is not None and not 1 <= self.kv_connections <= MAX_KV_CONNECTIONS:
@@ -149,11 +153,21 @@ class ServerConfig:
             raise ValueError(f"kv_checksum must be one of {', '.join(KV_CHECKSUMS)}, got {self.kv_checksum!r}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be at least 1, got {self.threads}")
+        if self.threads is None:
+            default_threads()  # raises on a bad $OMP_NUM_THREADS, before anything loads
         if self.cpu_turn_dir is not None and self.role is Role.MIXED:
             raise ValueError("--cpu-turn-dir is for a prefill and a decode sharing cores; a mixed worker "
                              "orders its own steps")
-        if not self.cpu_turn_wait_s > 0:
-            raise ValueError(f"cpu_turn_wait_s must be positive, got {self.cpu_turn_wait_s}")
+        if not 0 < self.cpu_turn_wait_s < math.inf:
+            raise ValueError(f"cpu_turn_wait_s must be positive and finite, got {self.cpu_turn_wait_s}")
+
+    def ignored_settings(self) -> list[str]:
+        """The settings given (not at their defaults) that this role does not read: a mixed worker
+        has no KV transfer, hand-off or migration."""
+        if self.role is not Role.MIXED:
+            return []
+        return [f.name for f in fields(self)
+                if f.name in _PD_SETTINGS and getattr(self, f.name) != f.default]
 
     @property
     def num_threads(self) -> int:

@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 
 from disagg.proto.vocabulary import DTYPES
+from disagg.workers.args import positive
 from disagg.workers.config import default_threads
 from disagg.workers.local import WorkerFailed, WorkerProcess, link, spawn_worker
 from disagg.workers.security.key import ClusterKey
@@ -37,7 +38,7 @@ _STOP_GRACE_S = 15.0
 
 
 class Interrupted(KeyboardInterrupt):
-    """Ctrl-C in the demo, raised by its own SIGINT handler.
+    """Ctrl-C (or SIGTERM) in the demo, raised by its own handler of both.
 
     Not a plain KeyboardInterrupt because CPython 3.11 marks one that escapes an
     `exec` of a string (dataclasses and namedtuples are made that way, by lazy
@@ -46,15 +47,18 @@ class Interrupted(KeyboardInterrupt):
 
 
 class _CtrlC:
-    """The demo's SIGINT handler: raises Interrupted at once, or at the end of a
+    """The demo's SIGINT and SIGTERM handler: raises Interrupted at once, or at the end of a
     `deferred()` block, so a worker cannot be started and then lost to it (the
-    signal may reach any thread; only the handler itself can hold it back)."""
+    signal may reach any thread; only the handler itself can hold it back). The workers
+    run in process groups of their own, so the demo is what stops them on either signal."""
 
     def __init__(self) -> None:
         self._deferring = 0
         self._pending = False
+        self.signum = signal.SIGINT  # the last one received: the exit code says which
 
-    def __call__(self, _signum: int, _frame: FrameType | None) -> None:
+    def __call__(self, signum: int, _frame: FrameType | None) -> None:
+        self.signum = signal.Signals(signum)
         if self._deferring:
             self._pending = True
             return
@@ -78,7 +82,7 @@ _CTRL_C = _CtrlC()
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="model source (default %(default)s)")
     p.add_argument("--served-model-name", default=SERVED_NAME, help="the name clients send (default %(default)s)")
-    p.add_argument("--max-tokens", type=int, default=32, help="tokens per answer (default %(default)s)")
+    p.add_argument("--max-tokens", type=positive(int), default=32, help="tokens per answer (default %(default)s)")
     p.add_argument("--kv-transfer-mode", choices=("PUSH", "PULL"), default="PUSH", help="default %(default)s")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default %(default)s")
     # The demo shows the model's own answers: fp32, whose greedy tokens equal transformers'. bf16 (`auto`
@@ -86,7 +90,7 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     # first answer token to the France question is "The" over "L" by 0.08 in fp32, and an AMX CPU's bf16
     # picks "L" (docs/benchmarks-engine.md, "bf16 on an AMX CPU").
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="the workers' dtype (default %(default)s)")
-    p.add_argument("--startup-timeout", type=float, default=600.0,
+    p.add_argument("--startup-timeout", type=positive(float), default=600.0,
                    help="seconds to wait for the workers to load the model (default %(default)s)")
     p.add_argument("--serve", action="store_true",
                    help="after the prompts, keep the workers running for your own client until Ctrl-C")
@@ -175,11 +179,13 @@ def _prepare_model(model: str) -> None:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    import openai
+
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="disagg-demo-"))
     extra = ["--device", args.device, "--dtype", args.dtype, "--served-model-name", args.served_model_name,
              "--max-model-len", "1024"]
     print(f"disagg demo: {args.model}, one prefill and one decode on 127.0.0.1 (logs in {log_dir})", flush=True)
-    previous_handler = signal.signal(signal.SIGINT, _CTRL_C)
+    previous = {sig: signal.signal(sig, _CTRL_C) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         print("preparing the model (converted once, then cached in ~/.cache/disagg)...", flush=True)
         _prepare_model(args.model)
@@ -193,13 +199,14 @@ def run_demo(args: argparse.Namespace) -> int:
             if args.serve:
                 _serve(prefill, args.served_model_name)
     except KeyboardInterrupt:
-        print("\ninterrupted: the workers were stopped", file=sys.stderr)
-        return 130
-    except (WorkerFailed, httpx.HTTPError, OSError) as exc:
+        print(f"\n{_CTRL_C.signum.name}: the workers were stopped", file=sys.stderr)
+        return 128 + _CTRL_C.signum
+    except (WorkerFailed, httpx.HTTPError, OSError, openai.APIError) as exc:  # e.g. --max-tokens past the context
         print(f"disagg demo failed: {exc}", file=sys.stderr)
         return 1
     finally:
-        signal.signal(signal.SIGINT, previous_handler)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 0
 
 

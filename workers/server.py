@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
+import os
 import signal
 import socket
 import threading
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
     from disagg.workers.pd.service import Handlers
 
 log = logging.getLogger(__name__)
+_LOADER = "load-model"  # the thread that loads the model
 
 
 class Worker(Protocol):
@@ -143,16 +145,32 @@ ROLES: dict[Role, RoleSpec] = {
 class _UvicornServer(uvicorn.Server):
     """uvicorn's server, minus its own signal handling: `serve` below owns the
     signals, so that the whole worker (engine included) shuts down on them and
-    the process exits 0 rather than re-raising the signal. Bound to a pod's own
-    address, it listens on loopback too (`loopback_listener`)."""
+    the process exits 0 rather than re-raising the signal."""
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
         yield
 
-    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
-        loopback = loopback_listener(self.config.host, self.config.port) if sockets is None else None
-        await super().serve(None if loopback is None else [self.config.bind_socket(), loopback])
+
+def listening_sockets(host: str, port: int) -> list[socket.socket]:
+    """The sockets a server on HOST:PORT listens on, bound before anything starts (uvicorn would
+    exit the process with a traceback): the address itself and, bound to a pod's own address, loopback
+    too (`loopback_listener`). OSError naming the address when it cannot be had."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET  # as uvicorn binds: "localhost" is IPv4
+        info = socket.getaddrinfo(host, port, family=family, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(info[0], socket.SOCK_STREAM)
+    except OSError as exc:
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(info[4])
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+    sock.set_inheritable(True)
+    loopback = loopback_listener(host, port)
+    return [sock] if loopback is None else [sock, loopback]
 
 
 def loopback_listener(host: str, port: int) -> socket.socket | None:
@@ -187,15 +205,24 @@ def run(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     torch.set_num_threads(server_config.num_threads)  # once, before the model loads
     torch.set_num_interop_threads(1)
     log.info("compute threads: %d (inter-op: %d)", torch.get_num_threads(), torch.get_num_interop_threads())
+    if ignored := server_config.ignored_settings():
+        log.warning("a %s worker ignores %s (for prefill and decode workers)", server_config.role.value,
+                    ", ".join(ignored))
     try:
         tracing.configure(server_config.role.value, server_config.instance_name)
     except ValueError as exc:
         log.error("cannot start: %s", exc)
         return 2
     try:
-        return asyncio.run(serve(engine_config, server_config, ROLES[server_config.role]))
+        code = asyncio.run(serve(engine_config, server_config, ROLES[server_config.role]))
     finally:
         tracing.shutdown()  # exports the spans still buffered
+    if any(t.name == _LOADER and t.is_alive() for t in threading.enumerate()):
+        # Stopped while loading: an interpreter exit under the loader, inside torch's C++,
+        # aborts the process (SIGABRT); nothing is left to clean up, so leave at once.
+        logging.shutdown()
+        os._exit(code)
+    return code
 
 
 def _add_link_routes(admin_app: FastAPI, client_app: FastAPI, state: AppState, config: ServerConfig,
@@ -238,21 +265,30 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig, spec: 
                            cors=server_config.cors)
     if spec.link_routes:
         _add_link_routes(admin_app, client_app, state, server_config, lambda: started[0] if started else None)
-    admin = _uvicorn(admin_app, server_config.host, server_config.admin_port, graceful_shutdown_s=1.0)
-    admin_task = asyncio.create_task(admin.serve(), name="admin")
+    admin_sockets: list[socket.socket] = []
     try:
-        return await _serve_clients(engine_config, server_config, spec, state, started, client_app)
+        admin_sockets = listening_sockets(server_config.host, server_config.admin_port)
+        http_sockets = listening_sockets(server_config.host, server_config.http_port)
+    except OSError as exc:
+        log.error("%s", exc)
+        for sock in admin_sockets:
+            sock.close()
+        return 2
+    admin = _uvicorn(admin_app, server_config.host, server_config.admin_port, graceful_shutdown_s=1.0)
+    admin_task = asyncio.create_task(admin.serve(admin_sockets), name="admin")
+    try:
+        return await _serve_clients(engine_config, server_config, spec, state, started, client_app, http_sockets)
     finally:
         admin.should_exit = True
         await admin_task
 
 
 async def _serve_clients(engine_config: EngineConfig, server_config: ServerConfig, spec: RoleSpec,
-                         state: AppState, started: list[Worker], app: FastAPI) -> int:
+                         state: AppState, started: list[Worker], app: FastAPI, sockets: list[socket.socket]) -> int:
     metrics = state.metrics
     http = _uvicorn(app, server_config.host, server_config.http_port, server_config.graceful_shutdown_s)
     _install_signal_handlers(http)
-    http_task = asyncio.create_task(http.serve(), name="http")
+    http_task = asyncio.create_task(http.serve(sockets), name="http")
     load_task = _in_daemon_thread(spec.build, engine_config, server_config, metrics)
     first: list[asyncio.Future[Any]] = [http_task, load_task]
     done, _ = await asyncio.wait(first, return_when=asyncio.FIRST_COMPLETED)
@@ -329,7 +365,7 @@ def _in_daemon_thread(fn: WorkerBuilder, *args: Any) -> asyncio.Future[Worker]:
         with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(settle, result, error)
 
-    threading.Thread(target=target, name="load-model", daemon=True).start()
+    threading.Thread(target=target, name=_LOADER, daemon=True).start()
     return future
 
 

@@ -36,11 +36,16 @@ def test_help_and_version_import_nothing_heavy() -> None:
 
 
 def test_link_to_nothing_fails_with_the_reason() -> None:
+    """The error names the side that failed: the prefill asked for its transfer port, else the decode."""
     port = free_port()
-    result = subprocess.run([*DISAGG, "link", "--decode", f"127.0.0.1:{port}", "--prefill", "127.0.0.1:1",
-                             "--timeout", "3", "--insecure"], capture_output=True, text=True, timeout=60)
+    link = [*DISAGG, "link", "--decode", f"127.0.0.1:{port}", "--prefill", "127.0.0.1:1", "--timeout", "3",
+            "--insecure"]
+    result = subprocess.run(link, capture_output=True, text=True, timeout=60)
     assert result.returncode == 1
-    assert f"127.0.0.1:{port} refused" in result.stderr and "UNAVAILABLE" in result.stderr, result.stderr
+    assert "asking 127.0.0.1:1 for its transfer port: UNAVAILABLE" in result.stderr, result.stderr
+    result = subprocess.run([*link, "--prefill-transfer-port", "26000"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert f"127.0.0.1:{port} refused: UNAVAILABLE" in result.stderr, result.stderr
 
 
 def test_unlink_reports_each_side() -> None:
@@ -49,8 +54,8 @@ def test_unlink_reports_each_side() -> None:
                              f"127.0.0.1:{prefill}", "--timeout", "3", "--insecure"],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 1
-    assert f"127.0.0.1:{decode}: UNAVAILABLE" in result.stderr
-    assert f"127.0.0.1:{prefill}: UNAVAILABLE" in result.stderr
+    assert f"127.0.0.1:{decode} refused: UNAVAILABLE" in result.stderr
+    assert f"127.0.0.1:{prefill} refused: UNAVAILABLE" in result.stderr
 
 
 def test_operator_subcommand_has_its_options() -> None:

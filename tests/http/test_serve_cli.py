@@ -9,8 +9,11 @@ import argparse
 import gc
 import os
 import re
+import signal
+import socket
 import subprocess
 import sys
+import time
 import weakref
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -28,7 +31,7 @@ from disagg.workers.demo import running_pair
 from disagg.workers.engine.config import EngineConfig
 from disagg.workers.heap import freeze_startup_heap
 from disagg.workers.local import free_port
-from disagg.workers.server import loopback_listener
+from disagg.workers.server import listening_sockets, loopback_listener
 
 SERVE = [sys.executable, "-m", "disagg.workers", "serve"]
 
@@ -66,6 +69,15 @@ def _configs(*flags: str, env: Mapping[str, str] | None = None) -> tuple[EngineC
 
 
 MIXED = ("--role", "mixed", "--model", "x")
+
+
+def test_a_mixed_worker_names_the_pd_settings_it_ignores() -> None:
+    """It has no KV transfer, hand-off or migration: such flags are said to be ignored, not taken silently."""
+    flags = ("--kv-transport", "nccl", "--pd-policy", "auto", "--max-migrations", "5")
+    assert _configs(*MIXED)[1].ignored_settings() == []
+    assert _configs(*MIXED, *flags)[1].ignored_settings() == ["kv_transport", "max_migrations", "pd_policy"]
+    prefill = _configs("--role", "prefill", "--model", "x", "--insecure", *flags)[1]
+    assert prefill.ignored_settings() == []
 
 
 def test_the_api_key_comes_from_the_flag_or_the_environment() -> None:
@@ -141,6 +153,57 @@ def test_usable_cpus_follow_the_cgroup_quota(tmp_path: Path, cpu_max: str | None
 @pytest.mark.parametrize(("cpus", "connections"), [(1, 1), (2, 1), (3, 1), (4, 2), (8, 4), (128, 4)])
 def test_default_kv_connections_is_one_per_two_cpus_up_to_four(cpus: int, connections: int) -> None:
     assert default_kv_connections(cpus) == connections
+
+
+def test_bad_values_the_config_reads_late_fail_before_loading() -> None:
+    """Each was a traceback, an error after the model loaded, or accepted (nan turned a failover off)."""
+    result = subprocess.run([*SERVE, "--role", "mixed", "--model", "x"], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "OMP_NUM_THREADS": "many"})
+    assert result.returncode == 2 and "OMP_NUM_THREADS must be a whole number" in result.stderr
+    assert "Traceback" not in result.stderr
+    result = _run("--role", "prefill", "--insecure", "--model", "x", "--stream-idle-timeout", "nan")
+    assert result.returncode == 2 and "stream_idle_timeout_s must be positive and finite" in result.stderr
+    result = _run("--role", "mixed", "--model", "x", "--seed", str(2**70))
+    assert result.returncode == 2 and "seed must be between" in result.stderr
+
+
+def test_a_port_it_cannot_listen_on_is_one_line_and_exit_2() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = _run("--role", "mixed", "--model", "x", "--host", "127.0.0.1", "--http-port", str(port),
+                      "--admin-port", str(free_port()))
+    assert result.returncode == 2, result.stderr
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_worker_stopped_while_it_loads_exits_0(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """SIGTERM while the model loads: a clean exit, not an abort under the loader thread (SIGABRT, 134)."""
+    slow = tmp_path / "slow_load.py"  # the tiny model loads too fast to be caught loading
+    slow.write_text("import time, torch, disagg.workers.engine.loader as loader\n"
+                    "load = loader.load_model\n"
+                    "def busy(*a, **k):  # inside torch's C++ for 5 s, as a real load is\n"
+                    "    end = time.monotonic() + 5\n"
+                    "    while time.monotonic() < end:\n"
+                    "        torch.randn(512, 512) @ torch.randn(512, 512)\n"
+                    "    return load(*a, **k)\n"
+                    "loader.load_model = busy\n"
+                    "from disagg.workers.cli import main\n"
+                    "raise SystemExit(main())\n")
+    worker = subprocess.Popen([sys.executable, str(slow), "serve", "--role", "mixed", "--model", str(tiny_model_dir),
+                               "--host", "127.0.0.1", "--http-port", str(free_port()), "--admin-port", str(free_port())],
+                              stderr=subprocess.PIPE, text=True)
+    assert worker.stderr is not None
+    for line in worker.stderr:
+        if "Started server process" in line:  # listening, its signal handlers installed; the model loads
+            break
+    time.sleep(1.0)
+    worker.send_signal(signal.SIGTERM)
+    _, err = worker.communicate(timeout=60)
+    assert worker.returncode == 0, err
+    assert "stopped before the model finished loading" in err
 
 
 def test_unknown_role_is_an_argparse_error() -> None:
@@ -281,3 +344,14 @@ def test_a_worker_bound_to_its_pod_address_listens_on_loopback_too() -> None:
         sock.close()
     for host in ("127.0.0.5", "0.0.0.0", "localhost", "::1"):  # loopback or every address already
         assert loopback_listener(host, port) is None, host
+
+
+def test_a_host_name_listens_as_uvicorn_would() -> None:
+    """Bound before anything starts, as uvicorn binds: "localhost" on IPv4 (where clients of 127.0.0.1 are)."""
+    port = free_port()
+    sockets = listening_sockets("localhost", port)
+    try:
+        assert [s.getsockname() for s in sockets] == [("127.0.0.1", port)]
+    finally:
+        for s in sockets:
+            s.close()

@@ -40,8 +40,10 @@ def test_demo_fails_plainly_on_a_missing_model(tmp_path: Path) -> None:
     assert "does not exist" in result.stderr
 
 
-def test_ctrl_c_stops_both_workers(tiny_model_dir: Path, tmp_path: Path) -> None:
-    """Interrupted while the workers load: the demo stops them and exits 130."""
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_or_sigterm_stops_both_workers(tiny_model_dir: Path, tmp_path: Path, sig: signal.Signals) -> None:
+    """Interrupted while the workers load: the demo stops them (in process groups of their own, the
+    signal never reaches them) and exits 128 + the signal (SIGTERM left them running)."""
     model = tmp_path / "model"  # a path of this test's own, to find its workers by
     model.symlink_to(tiny_model_dir)
     demo = subprocess.Popen([*DEMO, "--model", str(model), "--device", "cpu", "--log-dir", str(tmp_path)],
@@ -50,8 +52,15 @@ def test_ctrl_c_stops_both_workers(tiny_model_dir: Path, tmp_path: Path) -> None
     while not (tmp_path / "prefill.log").exists():
         assert time.monotonic() < deadline, "the demo started no prefill"
         time.sleep(0.1)
-    demo.send_signal(signal.SIGINT)
+    demo.send_signal(sig)
     _, err = demo.communicate(timeout=60)
-    assert demo.returncode == 130, err
-    assert "interrupted" in err
+    assert demo.returncode == 128 + sig, err
+    assert "the workers were stopped" in err
     assert not _workers_left(model)
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--max-tokens", "0"), ("--startup-timeout", "-1"),
+                                             ("--startup-timeout", "nan")])
+def test_bad_numbers_are_refused_before_anything_starts(flag: str, value: str) -> None:
+    result = subprocess.run([*DEMO, flag, value], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and f"argument {flag}: expected a positive" in result.stderr

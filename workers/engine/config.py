@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from disagg.proto.vocabulary import DEVICES, DTYPES
+from disagg.workers.engine.sampling_params import SEED_RANGE
 
 # NOTE: torch is imported where it is used, so that the CLI (`disagg --help`)
 # can read these choices and defaults without loading it.
 if TYPE_CHECKING:
     import torch
+
+log = logging.getLogger(__name__)
 
 # Without a block count or a budget, the KV pool takes this much memory on a CPU.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
@@ -88,6 +92,8 @@ class EngineConfig:
             out.append(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
         if self.max_model_len is not None and self.max_model_len < 2:
             out.append(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            out.append(f"seed must be between {SEED_RANGE[0]} and {SEED_RANGE[1]}, got {self.seed}")
         return out
 
     @property
@@ -113,4 +119,7 @@ class EngineConfig:
         """The context length the engine serves: ours, capped by the model's."""
         if self.max_model_len is None:
             return model_max_len
+        if self.max_model_len > model_max_len:
+            log.warning("max_model_len %d is past the model's %d positions: serving %d", self.max_model_len,
+                        model_max_len, model_max_len)
         return min(self.max_model_len, model_max_len)

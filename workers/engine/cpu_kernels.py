@@ -72,7 +72,10 @@ def _build(compiler: str, out_dir: Path) -> Path:
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The built kernels, or None where they cannot be built (see the module's docstring)."""
-    if os.environ.get(SWITCH_ENV) == "off":
+    switch = os.environ.get(SWITCH_ENV, "on")
+    if switch not in ("on", "off"):
+        raise ValueError(f"{SWITCH_ENV} must be on or off, got {switch!r}")
+    if switch == "off":
         log.info("CPU kernels: off (%s=off); PyTorch ops serve", SWITCH_ENV)
         return None
     compiler = shutil.which(os.environ.get("CC", "cc"))
