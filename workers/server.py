@@ -156,6 +156,26 @@ def listening_sockets(host: str, port: int) -> list[socket.socket]:
     """The sockets a server on HOST:PORT listens on, bound before anything starts (uvicorn would
     exit the process with a traceback): the address itself and, bound to a pod's own address, loopback
     too (`loopback_listener`). OSError naming the address when it cannot be had."""
+    sock = _bound_socket(host, port)
+    sock.set_inheritable(True)
+    loopback = loopback_listener(host, port)
+    return [sock] if loopback is None else [sock, loopback]
+
+
+def check_ports_free(host: str, ports: dict[str, int]) -> None:
+    """OSError naming the first of `ports` (what each is for -> port; 0 is any) that HOST cannot bind.
+
+    gRPC and the KV transport bind only once the model has loaded; this tells of a taken port
+    before the minutes a load takes. A check, not a reservation: the port is let go at once."""
+    for purpose, port in ports.items():
+        if port:
+            try:
+                _bound_socket(host, port).close()
+            except OSError as exc:
+                raise OSError(f"{exc} (the {purpose} port)") from exc
+
+
+def _bound_socket(host: str, port: int) -> socket.socket:
     try:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET  # as uvicorn binds: "localhost" is IPv4
         info = socket.getaddrinfo(host, port, family=family, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
@@ -168,9 +188,7 @@ def listening_sockets(host: str, port: int) -> list[socket.socket]:
     except OSError as exc:
         sock.close()
         raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
-    sock.set_inheritable(True)
-    loopback = loopback_listener(host, port)
-    return [sock] if loopback is None else [sock, loopback]
+    return sock
 
 
 def loopback_listener(host: str, port: int) -> socket.socket | None:
@@ -267,6 +285,9 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig, spec: 
         _add_link_routes(admin_app, client_app, state, server_config, lambda: started[0] if started else None)
     admin_sockets: list[socket.socket] = []
     try:
+        if spec.link_routes:  # a prefill or a decode: its gRPC and KV transfer ports too
+            check_ports_free(server_config.host, {"gRPC": server_config.grpc_port,
+                                                  "KV transfer": server_config.transfer_port})
         admin_sockets = listening_sockets(server_config.host, server_config.admin_port)
         http_sockets = listening_sockets(server_config.host, server_config.http_port)
     except OSError as exc:

@@ -19,9 +19,11 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import pytest
 
+from disagg.proto.vocabulary import InstanceInfo
 from disagg.workers import cli
 from disagg.workers.args import add_serve_arguments, build_configs
 from disagg.workers.config import (
@@ -31,6 +33,8 @@ from disagg.workers.demo import running_pair
 from disagg.workers.engine.config import EngineConfig
 from disagg.workers.heap import freeze_startup_heap
 from disagg.workers.local import free_port
+from disagg.workers.pd.service import Handlers, build_grpc_server
+from disagg.workers.security.control import ControlGuard
 from disagg.workers.server import listening_sockets, loopback_listener
 
 SERVE = [sys.executable, "-m", "disagg.workers", "serve"]
@@ -177,6 +181,36 @@ def test_a_port_it_cannot_listen_on_is_one_line_and_exit_2() -> None:
     assert result.returncode == 2, result.stderr
     assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(("flag", "purpose"), [("--grpc-port", "gRPC"), ("--transfer-port", "KV transfer")])
+def test_a_taken_grpc_or_transfer_port_fails_before_the_model_loads(flag: str, purpose: str) -> None:
+    """Both bind only after the load: the taken port is told at once (the model "x" is never read)."""
+    ports = {"--http-port": free_port(), "--admin-port": free_port(), "--grpc-port": free_port(),
+             "--transfer-port": free_port()}
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        ports[flag] = taken.getsockname()[1]
+        result = _run("--role", "prefill", "--insecure", "--model", "x", "--host", "127.0.0.1",
+                      *(str(item) for pair in ports.items() for item in pair))
+    assert result.returncode == 2, result.stderr
+    assert f"cannot listen on 127.0.0.1:{ports[flag]}: Address already in use (the {purpose} port)" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+async def test_the_grpc_server_does_not_share_a_port_another_server_holds() -> None:
+    """gRPC's default SO_REUSEPORT let a second worker bind a taken port and take half its calls."""
+    holder = grpc.aio.server()  # gRPC's defaults: SO_REUSEPORT on
+    port = holder.add_insecure_port("127.0.0.1:0")
+    await holder.start()
+    try:
+        handlers = Handlers(role="decode", unlink=lambda info: None)
+        with pytest.raises(RuntimeError, match="Failed to bind"):
+            build_grpc_server(handlers, f"127.0.0.1:{port}", 1 << 20, ControlGuard(None),
+                              InstanceInfo(f"127.0.0.1:{port}", "127.0.0.1:1"))
+    finally:
+        await holder.stop(None)
 
 
 def test_a_worker_stopped_while_it_loads_exits_0(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -249,6 +249,9 @@ def build_grpc_server(handlers: Handlers, address: str, max_message_bytes: int, 
     server = grpc.aio.server(interceptors=[AuthInterceptor(guard)], options=[
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
+        # gRPC's default SO_REUSEPORT would let a second worker share a taken port, the kernel
+        # splitting link calls between the two: a taken port must fail the start instead.
+        ("grpc.so_reuseport", 0),
         *convert.METADATA_OPTIONS,
     ])
     disagg_pd_pb2_grpc.add_DisaggPDServiceServicer_to_server(DisaggPDServicer(handlers), server)
