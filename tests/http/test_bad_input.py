@@ -134,6 +134,28 @@ def test_bad_input_is_a_4xx_openai_error(
     assert ok.json()["choices"][0]["finish_reason"] in ("length", "stop")
 
 
+# (id, path, body, the field the error must name: the one the client sent)
+NAMED_AS_SENT = [
+    ("top-logprobs-too-many", CHAT, _chat(logprobs=True, top_logprobs=21), "top_logprobs"),
+    ("max-completion-tokens-past-context", CHAT, _chat(max_tokens=None, max_completion_tokens=100000),
+     "max_completion_tokens"),
+    ("max-completion-tokens-zero", CHAT, _chat(max_tokens=None, max_completion_tokens=0), "max_completion_tokens"),
+    ("max-output-tokens-zero", "/v1/responses", {"model": "tiny-llama", "input": "hi", "max_output_tokens": 0},
+     "max_output_tokens"),
+    ("logit-bias-unicode-digit", CHAT, _chat(logit_bias={"\u00b2": 1}), "logit_bias"),  # "2" superscript: isdigit()
+    ("stream-options-without-stream", CHAT, _chat(stream_options={"include_usage": True}), "stream_options"),
+    ("stream-options-without-stream-completion", COMPLETIONS, _completion(stream_options={"include_usage": True}),
+     "stream_options"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [c[1:] for c in NAMED_AS_SENT], ids=[c[0] for c in NAMED_AS_SENT])
+def test_the_error_names_the_field_as_the_client_sent_it(http: httpx.Client, path: str, body: dict[str, Any],
+                                                         param: str) -> None:
+    error = _assert_openai_error(http.post(path, json=body), param)
+    assert error["param"] == param, error
+
+
 def test_unknown_model_is_404(http: httpx.Client) -> None:
     response = http.post(COMPLETIONS, json=_completion(model="nope"))
     assert response.status_code == 404

@@ -151,7 +151,7 @@ def test_batch_prompts_stream_with_their_indexes(http: httpx.Client, served: Any
     for event in events[:-1]:
         (choice,) = event["choices"]
         texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
-    whole = http.post("/v1/completions", json={**body, "stream": False}).json()
+    whole = http.post("/v1/completions", json={**body, "stream": False, "stream_options": None}).json()
     assert texts == {c["index"]: c["text"] for c in whole["choices"]} and set(texts) == {0, 1}
     assert events[-1]["usage"]["completion_tokens"] == 8
 

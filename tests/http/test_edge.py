@@ -32,12 +32,13 @@ def _completion(**fields: Any) -> dict[str, Any]:
     return {"model": "tiny-llama", "prompt": "Hello", "max_tokens": 4, "temperature": 0, **fields}
 
 
-def _assert_error(response: httpx.Response, status: int, words: str) -> None:
+def _assert_error(response: httpx.Response, status: int, words: str) -> dict[str, Any]:
     assert response.status_code == status, (response.status_code, response.text)
-    error = response.json()["error"]
+    error: dict[str, Any] = response.json()["error"]
     # A 401's code is OpenAI's name for it.
     assert error["code"] == ("invalid_api_key" if status == 401 else status), error
     assert words.lower() in error["message"].lower(), error
+    return error
 
 
 # --- the admin port ---------------------------------------------------------------
@@ -170,6 +171,16 @@ def test_the_key_lets_a_client_in(guarded: Any) -> None:
     with httpx.Client(base_url=guarded.base_url, timeout=30.0, headers={"authorization": f"Bearer {API_KEY}"}) as c:
         assert c.get("/v1/models").json()["data"][0]["id"] == "tiny-llama"
         assert c.post(COMPLETIONS, json=_completion()).json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_request_that_can_never_be_admitted_is_400_not_429(guarded: Any) -> None:
+    """A 429 has the client retry; n choices past the whole limit (2 here) would never fit, even idle."""
+    with httpx.Client(base_url=guarded.base_url, timeout=60.0, headers={"authorization": f"Bearer {API_KEY}"}) as c:
+        error = _assert_error(c.post(COMPLETIONS, json=_completion(n=3)), 400, "at most 2 at once")
+        assert error["param"] == "n"
+        error = _assert_error(c.post(COMPLETIONS, json=_completion(prompt=["a", "b", "c"])), 400, "3 prompt(s)")
+        assert error["param"] == "prompt"
+        assert c.post(COMPLETIONS, json=_completion(n=2)).status_code == 200  # the limit itself fits
 
 
 def test_beyond_the_admission_limit_is_429_with_retry_after(guarded: Any) -> None:

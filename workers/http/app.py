@@ -37,7 +37,7 @@ from disagg.workers import tracing
 from disagg.workers.config import CorsPolicy
 from disagg.workers.http.backend import NO_CLIENT_API, Backend, Health, ModelInfo
 from disagg.workers.http.edge import Admission, RequestCheck, bearer_check, max_in_flight, parse_body, read_body
-from disagg.workers.http.errors import APIError, NoSuchModel, NotReady, install_error_handlers
+from disagg.workers.http.errors import APIError, BadRequest, NoSuchModel, NotReady, install_error_handlers
 from disagg.workers.http.fanout import ClientDisconnected
 from disagg.workers.http.prepare import Prepared, prepare_chat, prepare_completion
 from disagg.workers.http.protocol import (
@@ -295,7 +295,13 @@ async def _run(state: AppState, request: Request, call: Call, stream: bool,
     """A prepared call run under admission: streamed by `events`, or answered whole by `whole`."""
     wait_disconnect = _disconnect_waiter(request)
     # Each of n choices of each prompt is a sequence in the engine.
-    sequences = call.prepared.params.n * len(call.prepared.prompts)
+    n, prompts = call.prepared.params.n, len(call.prepared.prompts)
+    sequences = n * prompts
+    if sequences > state.admission.limit:  # never admitted: a 429 would have the client retry forever
+        state.metrics.count_request(RequestOutcome.REJECTED)
+        raise BadRequest(f"this request is {sequences} sequences ({prompts} prompt(s), n={n}); this server holds at "
+                         f"most {state.admission.limit} at once: send fewer prompts or a smaller n",
+                         "n" if n > 1 else "prompt")
     state.admission.enter(sequences)
     if stream:
         return AdmittedStream(events(wait_disconnect), lambda: state.admission.leave(sequences))
@@ -323,7 +329,7 @@ def _parse_and_prepare_responses(raw: bytes, serving: OpenAIServing, response_id
     body = parse_body(ResponsesRequest, raw)
     backend = serving.backend
     chat, template = translate(body, response_id, backend.model.name)
-    return body, prepare_chat(chat, backend.model, backend.tokenizer), template
+    return body, prepare_chat(chat, backend.model, backend.tokenizer, {"max_tokens": "max_output_tokens"}), template
 
 
 STREAM_SEND_TIMEOUT_S = 60.0  # the longest one event of a stream may wait for the client to read

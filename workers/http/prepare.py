@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from collections.abc import Mapping
 from typing import Any
 
 from jinja2 import TemplateError
@@ -93,7 +94,10 @@ def _prompts(prompt: str | list[int] | list[str] | list[list[int]]) -> list[str]
     return prompt  # type: ignore[return-value]  # list[str] or list[list[int]]
 
 
-def prepare_chat(req: ChatCompletionRequest, model: ModelInfo, tokenizer: Tokenizer) -> Prepared:
+def prepare_chat(req: ChatCompletionRequest, model: ModelInfo, tokenizer: Tokenizer,
+                 names: Mapping[str, str] | None = None) -> Prepared:
+    """`names`: the fields a 400 names where the client sent another API's (the Responses API's
+    max_output_tokens); by default the chat fields the client used."""
     check_model(req.model, model)
     check_extra_fields(req)
     constraint = structured_output(req)
@@ -101,9 +105,11 @@ def prepare_chat(req: ChatCompletionRequest, model: ModelInfo, tokenizer: Tokeni
     if req.top_logprobs is not None and not req.logprobs:
         raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    newer = req.max_completion_tokens is not None
+    max_tokens = req.max_completion_tokens if newer else req.max_tokens
+    sent = {"max_tokens": "max_completion_tokens" if newer else "max_tokens", "logprobs": "top_logprobs"}
     params = _sampling_params(req, max_tokens, logprobs, ids, model, req.prompt_logprobs,
-                              None if constraint is None else constraint.grammar)
+                              None if constraint is None else constraint.grammar, {**sent, **(names or {})})
     if plan is not None and plan.grammar is not None:  # it holds the constraint's format, if any
         params = replace(params, grammar=plan.grammar)
     return Prepared(ids, params, plan if plan is not None and plan.offered else None)
@@ -188,7 +194,7 @@ def _logit_bias(req: SamplingFields, model: ModelInfo) -> tuple[tuple[int, float
     a token id of the vocabulary or a value outside [-100, 100]."""
     pairs = []
     for key, value in (req.logit_bias or {}).items():
-        if not key.lstrip("-").isdigit() or not 0 <= int(key) < model.vocab_size:
+        if not (key.isascii() and key.isdigit()) or not int(key) < model.vocab_size:  # "²" is a digit
             raise BadRequest(f"logit_bias keys must be token ids in [0, {model.vocab_size}), got {key!r}", "logit_bias")
         if not (math.isfinite(value) and abs(value) <= MAX_LOGIT_BIAS):
             raise BadRequest(f"logit_bias values must be between -{MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}, "
@@ -199,8 +205,13 @@ def _logit_bias(req: SamplingFields, model: ModelInfo) -> tuple[tuple[int, float
 
 def _sampling_params(
     req: SamplingFields, max_tokens: int | None, logprobs: int | None, prompt_ids: list[int], model: ModelInfo,
-    prompt_logprobs: int | None = None, grammar: str | None = None,
+    prompt_logprobs: int | None = None, grammar: str | None = None, names: Mapping[str, str] | None = None,
 ) -> SamplingParams:
+    """The engine's parameters; a 400 names the field as the client sent it (`names`: the
+    engine's field -> the request's, where they differ)."""
+    sent = names or {}
+    if req.stream_options is not None and not req.stream:
+        raise BadRequest("stream_options is only allowed when stream is true", "stream_options")
     room = model.max_model_len - len(prompt_ids)
     if room < 1:
         raise BadRequest(
@@ -212,9 +223,9 @@ def _sampling_params(
         max_tokens = room  # OpenAI's chat default: as long as the context allows
     elif max_tokens > room:
         raise BadRequest(
-            f"max_tokens is {max_tokens}, but the prompt has {len(prompt_ids)} tokens and the context "
-            f"is {model.max_model_len}: at most {room} tokens can be generated",
-            "max_tokens",
+            f"{sent.get('max_tokens', 'max_tokens')} is {max_tokens}, but the prompt has {len(prompt_ids)} tokens "
+            f"and the context is {model.max_model_len}: at most {room} tokens can be generated",
+            sent.get("max_tokens", "max_tokens"),
         )
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     check_token_ids(req.stop_token_ids or (), model, "stop_token_ids")
@@ -258,5 +269,7 @@ def _sampling_params(
         )
     except ValueError as exc:
         # SamplingParams words each problem as "<field> must ...".
-        field = str(exc).split(" ", 1)[0]
-        raise BadRequest(str(exc), field if field in SamplingParams.__dataclass_fields__ else None) from exc
+        field, _, rest = str(exc).partition(" ")
+        if field not in SamplingParams.__dataclass_fields__:
+            raise BadRequest(str(exc)) from exc
+        raise BadRequest(f"{sent.get(field, field)} {rest}", sent.get(field, field)) from exc
