@@ -27,8 +27,8 @@ from disagg.operator import manifests as m
 from disagg.operator.cluster_key import every_worker_holds, plan_key
 from disagg.operator.drain import drain, in_flight
 from disagg.operator.health import key_fingerprint, model_loaded
-from disagg.operator.crd import ROLE_PLURAL
-from disagg.operator.kube import KindNotServed, KubeApi
+from disagg.operator.crd import ROLE_KIND, ROLE_PLURAL
+from disagg.operator.kube import KindNotServed, KubeApi, require_controlled
 from disagg.operator.graph import LinkGraph
 from disagg.operator.link_client import LinkClient
 from disagg.operator.links import LinkOp
@@ -220,7 +220,7 @@ class ClusterController:
             return
         # Where the roles are: the counts the last pass scaled them to; at first (a restarted operator,
         # or the autoscaler taking over) the roles' own, so that nothing shrinks past the window.
-        current = {role: self.scaled[role] if role in self.scaled else await self._role_replicas(spec, role)
+        current = {role: self.scaled[role] if role in self.scaled else await self._role_replicas(body, spec, role)
                    for role in ROLES}
         decision = await self.scaler.run(self.deps.http, auto, spec.scaling.ratio, views, current, in_rollout, now)
         self.recommended = {role: d.desired for role, d in decision.roles.items()}
@@ -235,16 +235,23 @@ class ClusterController:
                         key=("AutoscalerHolding", condition.reason))
         self.deps.metrics.export_autoscaler(self.namespace, self.name, decision, self.scaler.latency_p90_s)
 
-    async def _role_replicas(self, spec: ClusterSpec, role: str) -> int:
+    async def _role_replicas(self, body: kopf.Body, spec: ClusterSpec, role: str) -> int:
         """The role's size as its DisaggRole says (what a scaler last set), else the cluster's spec."""
-        obj = await self.deps.kube.read_object(self.namespace, ROLE_PLURAL, child_name(self.name, role))
+        obj = await self._read_role(body, role)
         return spec.role(role).replicas if obj is None else read_child(obj).replicas
+
+    async def _read_role(self, body: kopf.Body, role: str) -> dict[str, Any] | None:
+        """The role's DisaggRole; None when missing, NotOurs when another owns that name."""
+        obj = await self.deps.kube.read_object(self.namespace, ROLE_PLURAL, child_name(self.name, role))
+        if obj is not None:
+            require_controlled(ROLE_KIND, obj["metadata"], body["metadata"]["uid"])
+        return obj
 
     async def _keep_role(self, body: kopf.Body, spec: ClusterSpec, role: str, in_rollout: bool) -> RoleState:
         """Decide the role's count (roles.decide_count) and keep its DisaggRole: made when missing,
         its spec.replicas written back where the owner is not an external scaler."""
         name = child_name(self.name, role)
-        obj = await self.deps.kube.read_object(self.namespace, ROLE_PLURAL, name)
+        obj = await self._read_role(body, role)
         count = decide_count(self.name, role, spec.role(role).scaling, spec.role(role).replicas,
                              None if obj is None else read_child(obj), in_rollout, self.recommended.get(role))
         if count.event is not None:
@@ -273,7 +280,7 @@ class ClusterController:
             self.key = None
             return
         name = m.key_secret_name(self.name)
-        found = await self.deps.kube.read_secret(self.namespace, name)
+        found = await self.deps.kube.read_secret(self.namespace, name, body["metadata"]["uid"])
         current, rotation = (None, None) if found is None else (
             found[0].get(m.KEY_ITEM, b"").decode(errors="replace"), found[1].get(m.ROTATION_ANNOTATION))
         settled = current is not None and rotation is not None and await self._workers_hold(current, views)

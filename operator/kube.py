@@ -14,6 +14,7 @@ import base64
 from collections.abc import Mapping
 from typing import Any
 
+import kopf
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
@@ -22,6 +23,23 @@ from disagg.operator.crd import GROUP, PLURAL, VERSION
 
 class KindNotServed(LookupError):
     """The API server serves no such resource: its CRD is not installed."""
+
+
+class NotOurs(kopf.PermanentError):
+    """An object of a name the operator derives exists without this cluster as its controller:
+    taking it over would break what it serves (a Service of the chart, a Secret of another)."""
+
+
+def require_controlled(kind: str, metadata: Mapping[str, Any], owner_uid: str) -> None:
+    """NotOurs unless `metadata` lists `owner_uid` as its controller."""
+    refs = metadata.get("ownerReferences") or ()
+    if not any(ref.get("uid") == owner_uid and ref.get("controller") for ref in refs):
+        raise NotOurs(f"{kind} {metadata.get('name')} exists and is not this DisaggCluster's: the operator does not "
+                      f"take it over; rename the DisaggCluster or delete the {kind}")
+
+
+def _controller_uid(body: Mapping[str, Any]) -> str:
+    return next(ref["uid"] for ref in body["metadata"]["ownerReferences"] if ref.get("controller"))
 
 
 class KubeApi:
@@ -71,7 +89,8 @@ class KubeApi:
                 raise
 
     async def apply_service(self, namespace: str, body: Mapping[str, Any]) -> bool:
-        """Create, or patch when the fields we own differ; True when something was written."""
+        """Create, or patch when the fields we own differ; True when something was written.
+        NotOurs when a Service of that name is not controlled by `body`'s owner."""
         name = body["metadata"]["name"]
         try:
             current = await self._call(False, self.core.read_namespaced_service, name, namespace)
@@ -81,6 +100,7 @@ class KubeApi:
             await self._call(True, self.core.create_namespaced_service, namespace, body, _preload_content=False)
             return True
         have = client.ApiClient().sanitize_for_serialization(current)
+        require_controlled("Service", have["metadata"], _controller_uid(body))
         spec = body["spec"]
         same = (have["spec"].get("type") == spec["type"] and have["spec"].get("selector") == spec["selector"]
                 and [(p.get("port"), p.get("targetPort")) for p in have["spec"].get("ports", [])]
@@ -94,14 +114,18 @@ class KubeApi:
                          _content_type="application/merge-patch+json")
         return True
 
-    async def read_secret(self, namespace: str, name: str) -> tuple[dict[str, bytes], dict[str, str]] | None:
-        """A Secret's items, decoded, and its annotations; None when there is no such Secret."""
+    async def read_secret(self, namespace: str, name: str, owner_uid: str | None = None,
+                          ) -> tuple[dict[str, bytes], dict[str, str]] | None:
+        """A Secret's items, decoded, and its annotations; None when there is no such Secret.
+        With `owner_uid`, NotOurs when that owner is not the Secret's controller."""
         try:
             secret = await self._call(False, self.core.read_namespaced_secret, name, namespace)
         except ApiException as e:
             if e.status != 404:
                 raise
             return None
+        if owner_uid is not None:
+            require_controlled("Secret", client.ApiClient().sanitize_for_serialization(secret.metadata), owner_uid)
         items = {k: base64.b64decode(v) for k, v in (secret.data or {}).items()}
         return items, dict(secret.metadata.annotations or {})
 

@@ -208,8 +208,12 @@ def _int(lo: int, hi: int, default: int | None = None, description: str = "") ->
 
 def scaling_schema() -> dict[str, Any]:
     """The OpenAPI v3 schema of `spec.scaling`, for the CRD's `spec.properties.scaling`."""
-    ratio_field = {"type": "string", "pattern": RATIO_PATTERN, "maxLength": 8,  # bounds the CEL rule's cost
-                   "description": "Prefill pods per decode pod, a decimal string with at most 3 decimals."}
+    limit = MAX_RATIO_PER_MILLE // 1000
+    ratio_field = {"type": "string", "pattern": RATIO_PATTERN, "maxLength": 8,  # bounds the CEL rules' cost
+                   "description": f"Prefill pods per decode pod, a decimal string with at most 3 decimals, "
+                                  f"above 0 and at most {limit}.",
+                   "x-kubernetes-validations": [{"rule": f"double(self) > 0.0 && double(self) <= {limit}.0",
+                                                 "message": f"must be above 0 and at most {limit}"}]}
 
     def role(role_name: Role, capacity_doc: str) -> dict[str, Any]:
         return {

@@ -108,6 +108,10 @@ _AUTO: dict[str, Any] = {"prefill": {"minReplicas": 1, "maxReplicas": 2}, "decod
      "spec.scaling.autoscaler.decode.minReplicas"),
     ({"model": {"source": "m"}, "scaling": {"ratio": {"minPrefillPerDecode": "half", "maxPrefillPerDecode": "1"}}},
      "spec.scaling.ratio.minPrefillPerDecode"),
+    ({"model": {"source": "m"}, "scaling": {"ratio": {"minPrefillPerDecode": "0", "maxPrefillPerDecode": "0"}}},
+     "must be above 0 and at most 1000"),
+    ({"model": {"source": "m"}, "scaling": {"ratio": {"minPrefillPerDecode": "1", "maxPrefillPerDecode": "5000"}}},
+     "must be above 0 and at most 1000"),
     # what only a rule across fields catches
     ({"model": {"source": "m"}, "scaling": {"autoscaler": {**_AUTO, "prefill": {"minReplicas": 5, "maxReplicas": 2}}}},
      "minReplicas must not be above maxReplicas"),
@@ -267,6 +271,39 @@ def test_a_pod_the_api_server_refuses_is_reported_once_not_retried_silently(
                                           {"spec": {"decode": {"nodeSelector": None}}}, _request_timeout=10)
     wait_until(lambda: len(pods(core, namespace, "decode")) == 1 or None, WAIT_S, "the decode pod")
     wait_until(lambda: invalid() is None or None, WAIT_S, "SpecValid gone")
+
+
+def test_objects_of_the_names_it_would_use_are_not_taken_over(
+        operator: OperatorProcess, custom: client.CustomObjectsApi, core: client.CoreV1Api, namespace: str) -> None:
+    """A Service and a Secret of the names a cluster derives, made by someone else (a chart's
+    Service): each is reported and left as it is, and nothing is made until it is gone."""
+    theirs = {"selector": {"app": "theirs"}, "ports": [{"name": "metrics", "port": 8080}]}
+    core.create_namespaced_service(namespace, {"metadata": {"name": "taken"}, "spec": theirs}, _request_timeout=10)
+    core.create_namespaced_secret(namespace, {"metadata": {"name": m.key_secret_name("taken")},
+                                              "stringData": {"other": "value"}}, _request_timeout=10)
+    create(custom, namespace, cluster_body("taken", "m"))
+
+    def refused(kind: str) -> dict[str, Any] | None:
+        conditions = (read(custom, namespace, "taken").get("status") or {}).get("conditions") or []
+        return next((c for c in conditions if c["type"] == "SpecValid" and c["status"] == "False"
+                     and f"{kind} " in c["message"] and "is not this DisaggCluster's" in c["message"]), None)
+
+    wait_until(lambda: refused("Service"), WAIT_S, "the Service reported")
+    svc = core.read_namespaced_service("taken", namespace, _request_timeout=10)
+    assert svc.spec is not None and svc.spec.selector == {"app": "theirs"} and not svc.metadata.owner_references
+    assert [p.port for p in svc.spec.ports or []] == [8080]
+    assert not [p for p in pods(core, namespace) if p["metadata"]["labels"][m.CLUSTER_LABEL] == "taken"]
+
+    core.delete_namespaced_service("taken", namespace, _request_timeout=10)
+    wait_until(lambda: refused("Secret"), WAIT_S, "then the Secret reported")
+    secret = core.read_namespaced_secret(m.key_secret_name("taken"), namespace, _request_timeout=10)
+    assert set(secret.data or {}) == {"other"} and not secret.metadata.owner_references
+
+    core.delete_namespaced_secret(m.key_secret_name("taken"), namespace, _request_timeout=10)
+    wait_until(lambda: len([p for p in pods(core, namespace) if p["metadata"]["labels"][m.CLUSTER_LABEL] == "taken"])
+               == 2 or None, WAIT_S, "the cluster's pods once both names are free")
+    svc = core.read_namespaced_service("taken", namespace, _request_timeout=10)
+    assert svc.metadata.owner_references and svc.metadata.owner_references[0].controller
 
 
 # ---- real workers: links, serving, scaling, failures -------------------------------

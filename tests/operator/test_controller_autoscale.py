@@ -9,9 +9,10 @@ from typing import Any, cast
 
 import httpx
 import kopf
+import pytest
 
 from disagg.operator.controller import ClusterController, Deps
-from disagg.operator.kube import KubeApi
+from disagg.operator.kube import KubeApi, NotOurs
 from disagg.operator.link_client import LinkClient
 from disagg.operator.metrics import OperatorMetrics
 from disagg.operator.scaling import parse_scaling
@@ -25,20 +26,22 @@ AUTOSCALER = {"prefill": {"minReplicas": 1, "maxReplicas": 10}, "decode": {"minR
 class Roles:
     """The two DisaggRoles as the API server holds them (all the step reads)."""
 
-    def __init__(self, replicas: Mapping[str, int]) -> None:
+    def __init__(self, replicas: Mapping[str, int], controller_uid: str) -> None:
         self.replicas = replicas
+        self.controller_uid = controller_uid
 
     async def read_object(self, namespace: str, plural: str, name: str) -> dict[str, Any] | None:
         role = name.removeprefix("llm-")
-        return {"metadata": {"name": name, "generation": 3}, "spec": {"replicas": self.replicas[role]}}
+        return {"metadata": {"name": name, "generation": 3, "ownerReferences": [{"uid": self.controller_uid, "controller": True}]},
+                "spec": {"replicas": self.replicas[role]}}
 
 
-async def _autoscaled_pass(body: dict[str, Any], spec: ClusterSpec, roles: Mapping[str, int]
-                          ) -> tuple[ClusterController, list[str]]:
+async def _autoscaled_pass(body: dict[str, Any], spec: ClusterSpec, roles: Mapping[str, int],
+                           roles_controller: str = "uid-1") -> tuple[ClusterController, list[str]]:
     """A fresh controller's autoscaler step (no pods: no metrics yet); the controller and its Events."""
     events: list[str] = []
     async with httpx.AsyncClient() as http:
-        deps = Deps(OperatorSettings(), cast(KubeApi, Roles(roles)), LinkClient(timeout_s=1.0), http,
+        deps = Deps(OperatorSettings(), cast(KubeApi, Roles(roles, roles_controller)), LinkClient(timeout_s=1.0), http,
                     OperatorMetrics(), post_event=lambda _b, _k, reason, message: events.append(f"{reason}: {message}"))
         controller = ClusterController("ns", "llm", deps)
         await controller._autoscale(kopf.Body(cast(kopf.RawBody, body)), spec, [],
@@ -72,3 +75,10 @@ async def test_the_decision_holds_the_ratio_band(spec: ClusterSpec, owner: Calla
     controller, events = await _autoscaled_pass(owner(), _autoscaled(spec, ratio=band), {"prefill": 2, "decode": 6})
     assert controller.recommended == {"prefill": 3, "decode": 6}
     assert any(e.startswith("AutoscalerScaled: prefill: 2 -> 3") and "ratio band" in e for e in events), events
+
+
+async def test_a_disaggrole_another_owner_controls_is_not_read_as_the_roles(
+        spec: ClusterSpec, owner: Callable[..., dict[str, Any]]) -> None:
+    """A DisaggRole of the derived name that this cluster does not control: reported, not used."""
+    with pytest.raises(NotOurs, match="DisaggRole llm-prefill exists and is not this DisaggCluster's"):
+        await _autoscaled_pass(owner(), _autoscaled(spec), {"prefill": 2, "decode": 6}, roles_controller="uid-other")
