@@ -164,7 +164,7 @@ def test_ha_runs_two_peered_replicas_kept_by_the_budget(helm: Helm) -> None:
     assert env_of(container)[PREFIX + "PEERING"] == "disagg-operator"
     assert objects.one("PodDisruptionBudget")["spec"] == {
         "selector": objects.one("PodDisruptionBudget")["spec"]["selector"], "minAvailable": 1}
-    assert ("kopf.dev", "clusterkopfpeerings", "patch") in _rules(objects.one("ClusterRole", "disagg"))
+    assert ("kopf.dev", "clusterkopfpeerings", "patch") in _rules(objects.one("ClusterRole", "disagg-disagg-system"))
 
 
 def test_service_monitor_scrapes_the_metrics_service_port(helm: Helm) -> None:
@@ -194,34 +194,47 @@ def test_network_policy_keeps_grpc_and_transfer_inside_the_namespace(helm: Helm)
     objects = helm.template("-f", str(VALUES / "networkpolicy.yaml"))
     policies = objects.find("NetworkPolicy")
     assert sorted(p["metadata"]["namespace"] for p in policies) == ["serving", "staging"]
-    grpc, http = policies[0]["spec"]["ingress"]
+    peers, operator, http = policies[0]["spec"]["ingress"]
     # The named ports are the ones the operator gives worker containers.
     pod = m.worker_pod({"apiVersion": "disagg.dev/v1alpha1", "kind": "DisaggCluster",
                         "metadata": {"name": "c", "uid": "u"}}, "decode", "c-decode-0", parse_spec({"model": {"source": "m"}}))
     worker_ports = {p["name"] for p in pod["spec"]["containers"][0]["ports"]}
-    assert {p["port"] for p in grpc["ports"]} == {"grpc", "transfer", "admin"}
+    # Worker pods reach each other on every port: nccl's rendezvous and NCCL's sockets take run-time ports.
+    assert peers == {"from": [{"podSelector": {"matchExpressions": [{"key": m.CLUSTER_LABEL, "operator": "Exists"}]}}]}
+    assert {p["port"] for p in operator["ports"]} == {"grpc", "transfer", "admin"}
     assert {p["port"] for p in http["ports"]} == {"http"}
     assert {"grpc", "transfer", "admin", "http"} <= worker_ports
-    peers = grpc["from"]
-    assert peers[0] == {"podSelector": {"matchExpressions": [{"key": m.CLUSTER_LABEL, "operator": "Exists"}]}}
-    assert peers[1]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "operator"
+    (operator_pods,) = operator["from"]
+    assert operator_pods["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "operator"
     assert http["from"][0]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "gateway"}
-    assert http["from"][1] == peers[1], "the operator reads /metrics while draining"
+    assert http["from"][1] == operator_pods, "the operator reads /metrics while draining"
 
 
 def test_network_policy_defaults_to_the_release_namespace_and_open_http(helm: Helm) -> None:
     (policy,) = helm.template("--set", "workerPods.networkPolicy.enabled=true").find("NetworkPolicy")
     assert policy["metadata"]["namespace"] == "disagg-system"
-    assert "from" not in policy["spec"]["ingress"][1]
+    assert "from" not in policy["spec"]["ingress"][2]
 
 
 def test_network_policy_is_on_by_default_and_can_be_turned_off(helm: Helm) -> None:
     (policy,) = helm.template().find("NetworkPolicy")
     assert policy["metadata"]["namespace"] == "disagg-system"
-    closed, open_ = policy["spec"]["ingress"]
+    _, closed, open_ = policy["spec"]["ingress"]
     assert {p["port"] for p in closed["ports"]} == {"grpc", "transfer", "admin"} and "from" in closed
     assert {p["port"] for p in open_["ports"]} == {"http"} and "from" not in open_, "clients reach the OpenAI API"
     assert not helm.template("--set", "workerPods.networkPolicy.enabled=false").find("NetworkPolicy")
+
+
+def test_one_release_name_in_two_namespaces_claims_distinct_cluster_scoped_objects(helm: Helm) -> None:
+    """One operator per namespace, each installed as `disagg`: the second install must not meet the
+    first one's ClusterRole (helm refuses to adopt it)."""
+    def cluster_scoped(namespace: str) -> set[tuple[str, str]]:
+        out = helm("template", "disagg", str(CHART), "--namespace", namespace).stdout
+        return {(d["kind"], d["metadata"]["name"]) for d in yaml.safe_load_all(out)
+                if d and d["kind"] in ("ClusterRole", "ClusterRoleBinding")}
+
+    first, second = cluster_scoped("team1"), cluster_scoped("team2")
+    assert first and second and not first & second, (first, second)
 
 
 def test_default_rbac_creates_pods_only_in_the_release_namespace(helm: Helm) -> None:
@@ -234,11 +247,11 @@ def test_default_rbac_creates_pods_only_in_the_release_namespace(helm: Helm) -> 
             cluster_role["metadata"]["name"]
     assert [a for a in operator_container(objects)["args"] if a.startswith("--namespace")] == [
         "--namespace=disagg-system"]
-    wide = helm.template("--set", "operator.watchAllNamespaces=true")
-    assert ("", "pods", "create") in _rules(wide.one("ClusterRole", "disagg-workloads")) and not wide.find("Role")
+    wide = helm.template("--set", "operator.watchAllNamespaces=true", "--set", "workerPods.networkPolicy.namespaces[0]=serving")
+    assert ("", "pods", "create") in _rules(wide.one("ClusterRole", "disagg-disagg-system-workloads")) and not wide.find("Role")
     # Children set blockOwnerDeletion: with OwnerReferencesPermissionEnforcement (OpenShift) that takes
     # the right to update the owner's finalizers. Every child's owner is the DisaggCluster: no more.
-    for rules in (_rules(role), _rules(wide.one("ClusterRole", "disagg-workloads"))):
+    for rules in (_rules(role), _rules(wide.one("ClusterRole", "disagg-disagg-system-workloads"))):
         assert ("disagg.dev", "disaggclusters/finalizers", "update") in rules
         assert not [r for r in rules if r[1] == "disaggroles/finalizers"]
 
@@ -309,6 +322,9 @@ def test_schema_rejects_bad_values_with_a_clear_message(helm: Helm, args: list[s
      "ERROR: set podDisruptionBudget.minAvailable or podDisruptionBudget.maxUnavailable, not both"),
     (["--set", "operator.watchAllNamespaces=true", "--set", "operator.watchNamespaces[0]=a"],
      "ERROR: set operator.watchNamespaces or operator.watchAllNamespaces=true, not both"),
+    (["--set", "podDisruptionBudget.minAvailable=50%"], "ERROR: podDisruptionBudget.minAvailable must be below"),
+    (["--set", "operator.watchAllNamespaces=true"],
+     "ERROR: with operator.watchAllNamespaces=true, list the namespaces of your worker pods"),
 ])
 def test_bad_combinations_fail_loudly(helm: Helm, args: list[str], message: str) -> None:
     with pytest.raises(RuntimeError, match="exited with") as err:

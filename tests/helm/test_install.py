@@ -135,7 +135,7 @@ def installed(helm: Helm, cluster: LocalCluster, kube: Kube, tmp_path_factory: p
     create_namespace(kube, release_ns)
     # Every namespace: the tests make their clusters in namespaces of their own.
     helm("install", RELEASE, str(CHART), "--namespace", release_ns, "--set", "operator.watchAllNamespaces=true",
-         "--set", "operator.replicas=0",
+         "--set", "operator.replicas=0", "--set", "workerPods.networkPolicy.enabled=false",
          kubeconfig=cluster.admin_kubeconfig)
     wait_until(lambda: _established(kube, CRD_NAME) or None, 30, "the DisaggCluster CRD from crds/")
     token = kube.post(f"/api/v1/namespaces/{release_ns}/serviceaccounts/{RELEASE}/token",

@@ -93,6 +93,20 @@ the release namespace, or [] (every namespace) with operator.watchAllNamespaces.
 {{- end }}
 {{- end }}
 
+{{/*
+The name of a cluster-scoped object: "<fullname>-<namespace>[-<suffix>]" (the full
+name cut first, the whole within 63 characters), so that
+releases of the same name in two namespaces (one operator per namespace) do not
+claim the same ClusterRole. Call with (dict "ctx" $ "suffix" "workloads") or
+(dict "ctx" $ "suffix" "").
+*/}}
+{{- define "disagg.clusterScopedName" -}}
+{{- $tail := .ctx.Release.Namespace }}
+{{- if .suffix }}{{ $tail = printf "%s-%s" $tail .suffix }}{{ end }}
+{{- $room := max 8 (sub 62 (len $tail)) | int }}
+{{- printf "%s-%s" (include "disagg.fullname" .ctx | trunc $room | trimSuffix "-") $tail | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
 {{- define "disagg.workerNamespaces" -}}
 {{- $ns := .Values.workerPods.networkPolicy.namespaces | default (include "disagg.watchNamespaces" . | fromJsonArray) | default (list .Release.Namespace) }}
 {{- toJson $ns }}
@@ -129,7 +143,16 @@ Value combinations the schema cannot express. Each one fails the install with
 {{- if and $pdb.enabled (hasKey $pdb "minAvailable") (hasKey $pdb "maxUnavailable") }}
 {{- fail "ERROR: set podDisruptionBudget.minAvailable or podDisruptionBudget.maxUnavailable, not both: remove one from your values" }}
 {{- end }}
-{{- if and $pdb.enabled (hasKey $pdb "minAvailable") (not (kindIs "string" $pdb.minAvailable)) (ge (int $pdb.minAvailable) (int $v.operator.replicas)) }}
+{{- if and $pdb.enabled (hasKey $pdb "minAvailable") }}
+{{- $min := $pdb.minAvailable }}
+{{- if kindIs "string" $min }}{{- /* a percentage: the API server rounds it up */}}
+{{- $min = ceil (divf (mulf (float64 (trimSuffix "%" $min)) (float64 $v.operator.replicas)) 100) }}
+{{- end }}
+{{- if ge (int $min) (int $v.operator.replicas) }}
 {{- fail "ERROR: podDisruptionBudget.minAvailable must be below operator.replicas, or no node drain could ever evict the operator" }}
+{{- end }}
+{{- end }}
+{{- if and $v.workerPods.networkPolicy.enabled $v.operator.watchAllNamespaces (not $v.workerPods.networkPolicy.namespaces) }}
+{{- fail "ERROR: with operator.watchAllNamespaces=true, list the namespaces of your worker pods in workerPods.networkPolicy.namespaces (a NetworkPolicy is namespaced: without it their gRPC, transfer and admin ports would be open), or set workerPods.networkPolicy.enabled=false" }}
 {{- end }}
 {{- end }}
