@@ -40,6 +40,26 @@ def test_handshake_links_and_names_the_peer(layout: KVLayout, listening_peer: tu
     assert not session.is_open
 
 
+def test_a_link_refused_for_the_name_leaves_the_live_session_with_that_peer(
+    layout: KVLayout, listening_peer: tuple[Peer, str], seeded_pool: SeededPool
+) -> None:
+    """A LinkInstance naming another instance at a linked prefill's transfer address: refused
+    before its proof, so the prefill does not replace (and close) its session with this decode."""
+    _, address = listening_peer
+    source = seeded_pool(layout, 7)
+    transport, pool = _decode(layout)
+    try:
+        live = transport.connect(address, timeout=WAIT_S)
+        with pytest.raises(LinkRefusedError, match="not the 'prefill-9' the link names"):
+            transport.connect(address, timeout=WAIT_S, expect_name="prefill-9")
+        time.sleep(0.5)  # what a replaced session's close would take to reach this side
+        assert live.is_open and transport.peers()["prefill-0"] is live.peer
+        live.pull([3], [5]).wait(WAIT_S)
+        assert torch.equal(pool[:, [5]], source[:, [3]])
+    finally:
+        transport.close()
+
+
 @pytest.mark.parametrize(("field", "value"), [("block_size", 8), ("model", "another-model"), ("dtype", "float32")])
 def test_layout_mismatch_is_refused_with_a_reason(
     layout: KVLayout, listening_peer: tuple[Peer, str], field: str, value: object

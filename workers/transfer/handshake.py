@@ -32,6 +32,7 @@ import secrets
 import socket
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -221,14 +222,19 @@ def recv_reply(sock: socket.socket, deadline: float) -> Reply:
     return Reply.from_json(_recv(sock, _REPLY, deadline))
 
 
-def initiate(sock: socket.socket, hello: Hello, key: ClusterKey | None, deadline: float) -> tuple[Reply, Challenge]:
+def initiate(sock: socket.socket, hello: Hello, key: ClusterKey | None, deadline: float,
+             unwanted: Callable[[Challenge], str | None] = lambda _: None) -> tuple[Reply, Challenge]:
     """The initiator's whole handshake on one connection; the acceptor's REPLY and CHALLENGE.
 
-    Raises LinkRefusedError when the acceptor accepts without proving the key
-    (when this side has one); a refusing REPLY is returned as is.
+    Raises LinkRefusedError when `unwanted` gives a reason to refuse the acceptor its
+    CHALLENGE names (before the proof: an acceptor commits nothing, its sessions stay as
+    they were) or when it accepts without proving the key (when this side has one); a
+    refusing REPLY is returned as is.
     """
     send_hello(sock, hello)
     challenge = recv_challenge(sock, deadline)
+    if (reason := unwanted(challenge)) is not None:
+        raise LinkRefusedError(reason)
     bound = bound_fields(hello, challenge)
     send_proof(sock, key.proof("initiator", *bound) if key is not None else "")
     reply = recv_reply(sock, deadline)

@@ -174,10 +174,14 @@ class LinkedTransport(KVTransport):
                     self.identity, self.name, session_id, index, self.num_connections,
                     [int(kind) for kind in self._offered], self._hello_extras() if index == 0 else {},
                 )
-                answers.append(initiate(sock, hello, self._key, deadline))
+                answers.append(initiate(sock, hello, self._key, deadline,
+                                        lambda challenge: self._unwanted(challenge.name, expect_name)))
         except TimeoutError as exc:
             self._close_all(socks)
             raise TransferTimeout(f"transfer peer {address} did not answer within {timeout:.1f}s") from exc
+        except LinkRefusedError as exc:
+            self._close_all(socks)
+            raise LinkRefusedError(f"{address} refused the link: {exc}") from exc
         except (OSError, TransferError):
             self._close_all(socks)
             raise
@@ -191,11 +195,6 @@ class LinkedTransport(KVTransport):
             reason = refused.reason
         elif reply.checksum not in {int(kind) for kind in self._offered}:
             reason = f"it chose checksum kind {reply.checksum}, which was not offered"
-        elif challenge.name == self.instance_name:
-            reason = "a worker cannot link to itself"
-        elif expect_name is not None and challenge.name != expect_name:
-            # A link names an instance: the data path must lead to that one, not whoever answers there.
-            reason = f"it is {challenge.name!r}, not the {expect_name!r} the link names"
         if reason is not None:
             self._close_all(socks)
             raise LinkRefusedError(f"{address} refused the link: {reason}")
@@ -204,6 +203,17 @@ class LinkedTransport(KVTransport):
         session = self._open_session(peer, socks, reply.checksum, reply.extras, initiator=True)
         self._register(session)
         return session
+
+    def _unwanted(self, acceptor: str, expect_name: str | None) -> str | None:
+        """Why the acceptor named `acceptor` is not this link's peer, or None. Asked of its
+        CHALLENGE, before the proof: a refused link must not replace the acceptor's session
+        with this worker (a wrong name in a LinkInstance would cut a healthy link)."""
+        if acceptor == self.instance_name:
+            return "a worker cannot link to itself"
+        if expect_name is not None and acceptor != expect_name:
+            # A link names an instance: the data path must lead to that one, not whoever answers there.
+            return f"it is {acceptor!r}, not the {expect_name!r} the link names"
+        return None
 
     def session(self, peer_name: str, timeout: float) -> TransferSession:
         with self._cond:
