@@ -99,6 +99,25 @@ async def test_a_keyed_caller_learns_a_workers_own_info(pd_pair: Callable[..., A
             pass  # the prefill's data path listens where it says
 
 
+async def test_a_keyed_caller_sending_bytes_that_are_no_message_gets_invalid_argument(
+        pd_pair: Callable[..., Any], kit: Any) -> None:
+    """gRPC answered UNKNOWN ("Unexpected <class DecodeError>") with a traceback in the log per call."""
+    async with pd_pair() as pair:
+        calls = [(pair.decode_config, "/xllm.proto.DisaggPDService/LinkInstance"),
+                 (pair.decode_config, "/xllm.proto.DisaggPDService/UnlinkInstance"),
+                 (pair.decode_config, ADD), (pair.prefill_config, DESCRIBE_METHOD),
+                 (pair.prefill_config, "/xllm_service.proto.XllmRpcService/Generations")]
+        for config, method in calls:
+            async with control_channel(config.instance_name, kit.key) as channel:
+                for garbage in (b"\xff\xff\xff\xff", b"\x0a\x10short"):  # no field; a string cut short
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        await channel.unary_unary(method)(garbage, timeout=10)
+                    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, err.value)
+                    assert f"the {method} request is not a valid message" in (err.value.details() or "")
+        assert pair.prefill.role.ready()[0], "the link survived"
+        await _serves(pair)
+
+
 async def test_a_credential_is_good_once_and_only_within_the_window(pd_pair: Callable[..., Any], kit: Any) -> None:
     async with pd_pair() as pair:
         async with control_channel(pair.decode_config.instance_name, None) as channel:

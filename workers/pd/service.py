@@ -12,16 +12,18 @@ answer UNIMPLEMENTED and the server keeps serving.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import grpc
 from fastapi import FastAPI, Request
 from grpc_health.v1 import health, health_pb2_grpc
 from fastapi.responses import JSONResponse
 from google.protobuf import json_format
+from google.protobuf.message import DecodeError
 
 from disagg.proto import common_pb2, disagg_pd_pb2 as pb, disagg_pd_pb2_grpc, xllm_service_pb2_grpc
 from disagg.proto.vocabulary import DESCRIBE_METHOD, InstanceInfo
@@ -246,7 +248,7 @@ def build_grpc_server(handlers: Handlers, address: str, max_message_bytes: int, 
     """An asyncio gRPC server of a role's handlers on `address` (not started); `guard` checks every call
     first; `DESCRIBE_METHOD` answers `identity`. With `tls` the port serves mutual TLS only (a
     plaintext client fails its connection)."""
-    server = grpc.aio.server(interceptors=[AuthInterceptor(guard)], options=[
+    server = grpc.aio.server(interceptors=[AuthInterceptor(guard), StrictDecoding()], options=[
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         # gRPC's default SO_REUSEPORT would let a second worker share a taken port, the kernel
@@ -265,6 +267,45 @@ def build_grpc_server(handlers: Handlers, address: str, max_message_bytes: int, 
     else:
         server.add_secure_port(address, tls)
     return server
+
+
+class _Malformed:
+    """A request whose bytes did not parse as its message (what `StrictDecoding` answers)."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+class StrictDecoding(grpc.aio.ServerInterceptor):
+    """A unary request that does not parse is INVALID_ARGUMENT with the parser's reason; gRPC
+    would answer UNKNOWN, naming a Python exception class, and log a traceback per call.
+    (Every control method is unary; a call the AuthInterceptor refuses is never parsed.)"""
+
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or handler.unary_unary is None or handler.request_deserializer is None:
+            return handler
+        parse, behavior = handler.request_deserializer, handler.unary_unary
+        method: str = details.method  # type: ignore[attr-defined]
+
+        def deserialize(raw: bytes) -> Any:
+            try:
+                return parse(raw)
+            except DecodeError as exc:
+                return _Malformed(str(exc))
+
+        async def checked(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if isinstance(request, _Malformed):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"the {method} request is not a valid message: {request.reason}")
+            answer = behavior(request, context)
+            return await answer if inspect.isawaitable(answer) else answer
+
+        return grpc.unary_unary_rpc_method_handler(checked, request_deserializer=deserialize,
+                                                   response_serializer=handler.response_serializer)
 
 
 def _describe_handler(identity: pb.InstanceClusterInfo) -> grpc.GenericRpcHandler:
