@@ -121,6 +121,9 @@ async def test_link_and_unlink_are_idempotent_and_unlink_drops_the_decodes_reque
         assert (await pair.stub.UnlinkInstance(pair.prefill_info.to_proto(), timeout=10)).ok
         assert (await pair.stub.UnlinkInstance(pair.prefill_info.to_proto(), timeout=10)).ok
         await wait_for(lambda: pair.decode.role.stats().requests_running == 0, "the decode dropped it")
+        counted = pair.decode.role._metrics.requests
+        await wait_for(lambda: counted.labels(role="decode", status="aborted")._value.get() == 1, "counted as aborted")
+        assert counted.labels(role="decode", status="error")._value.get() == 0, "a drop is no error"
         assert len(await asyncio.wait_for(task, 60)) == long.max_tokens
         await wait_for(lambda: free_blocks(pair) == (NUM_KV_BLOCKS, NUM_KV_BLOCKS), "every block is free")
         # Linked again, it serves again.

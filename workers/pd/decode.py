@@ -292,6 +292,9 @@ class DecodeRole(EngineHealth["AsyncEngine[LLMEngine]"]):
                         break
         except PDError as exc:
             log.warning("streaming %s to %s failed: %s", req_id, inc.req.source_addr, exc)
+        except asyncio.CancelledError:
+            status = RequestOutcome.ABORTED  # dropped: an unlink, the prefill's abort, a stop
+            raise
         finally:
             self._incoming.pop(req_id, None)
             self._metrics.count_request(status)
