@@ -7,9 +7,11 @@ from the command line.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import math
 import os
+import socket
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -160,6 +162,8 @@ class ServerConfig:
                              "orders its own steps")
         if not 0 < self.cpu_turn_wait_s < math.inf:
             raise ValueError(f"cpu_turn_wait_s must be positive and finite, got {self.cpu_turn_wait_s}")
+        if self.role is not Role.MIXED:
+            _ = self.instance_host  # raises for what names no IPv4 address, before anything loads
 
     def ignored_settings(self) -> list[str]:
         """The settings given (not at their defaults) that this role does not read: a mixed worker
@@ -173,14 +177,22 @@ class ServerConfig:
     def num_threads(self) -> int:
         return default_threads() if self.threads is None else self.threads
 
-    @property
+    @functools.cached_property
     def instance_host(self) -> str:
-        """The host part of this worker's instance name (`<ip>:<grpc port>`)."""
-        if self.advertise_host:
-            return self.advertise_host
-        if _is_wildcard(self.host):
-            return "127.0.0.1"
-        return self.host
+        """The IPv4 address of this worker's instance name (`<ip>:<grpc port>`): --advertise-host,
+        else the address it binds (127.0.0.1 for a wildcard), a name resolved once. ValueError
+        for what is none: xLLM's cluster_id packs an IPv4 address."""
+        flag = "--advertise-host" if self.advertise_host else "--host"
+        host = self.advertise_host or ("127.0.0.1" if _is_wildcard(self.host) else self.host)
+        try:
+            return str(ipaddress.IPv4Address(host))
+        except ValueError:
+            pass
+        try:
+            return socket.gethostbyname(host)
+        except (OSError, UnicodeError) as exc:
+            raise ValueError(f"{flag} {host!r} is not an IPv4 address or a name that resolves to one ({exc}): a "
+                             f"{self.role.value} names itself by its IPv4 address (xLLM's cluster_id packs one)") from None
 
     @property
     def instance_name(self) -> str:

@@ -181,6 +181,14 @@ def _prepare_model(model: str) -> None:
 def run_demo(args: argparse.Namespace) -> int:
     import openai
 
+    from disagg.workers.engine.loader import check_model_source
+
+    try:
+        check_model_source(args.model)
+    except ValueError as exc:  # the loader's errors (ModelLoadError, ModelConfigError)
+        print(f"disagg demo: {exc}", file=sys.stderr)
+        return 2
+
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="disagg-demo-"))
     extra = ["--device", args.device, "--dtype", args.dtype, "--served-model-name", args.served_model_name,
              "--max-model-len", "1024"]

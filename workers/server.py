@@ -283,16 +283,20 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig, spec: 
                            cors=server_config.cors)
     if spec.link_routes:
         _add_link_routes(admin_app, client_app, state, server_config, lambda: started[0] if started else None)
+    from disagg.workers.engine.loader import check_model_source
+
     admin_sockets: list[socket.socket] = []
+    http_sockets: list[socket.socket] = []
     try:
         if spec.link_routes:  # a prefill or a decode: its gRPC and KV transfer ports too
             check_ports_free(server_config.host, {"gRPC": server_config.grpc_port,
                                                   "KV transfer": server_config.transfer_port})
         admin_sockets = listening_sockets(server_config.host, server_config.admin_port)
         http_sockets = listening_sockets(server_config.host, server_config.http_port)
-    except OSError as exc:
+        check_model_source(engine_config.model)  # a wrong path is told now, not after the servers start
+    except (OSError, ValueError) as exc:  # ValueError: the loader's errors (ModelLoadError, ModelConfigError)
         log.error("%s", exc)
-        for sock in admin_sockets:
+        for sock in admin_sockets + http_sockets:
             sock.close()
         return 2
     admin = _uvicorn(admin_app, server_config.host, server_config.admin_port, graceful_shutdown_s=1.0)

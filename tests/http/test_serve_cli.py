@@ -246,14 +246,34 @@ def test_unknown_role_is_an_argparse_error() -> None:
     assert "invalid choice" in result.stderr
 
 
-@pytest.mark.parametrize("role", ["mixed", "prefill", "decode"])
-def test_missing_model_fails_at_start_with_a_reason(tmp_path: Path, role: str) -> None:
+@pytest.mark.parametrize(("role", "source", "words"), [
+    ("mixed", "missing", "does not exist"), ("prefill", "missing", "does not exist"),
+    ("decode", "missing", "does not exist"), ("mixed", "builtin:nope", "unknown builtin model 'nope'"),
+    ("mixed", "passwd", "is not a .gguf file"), ("mixed", ".", "has no config.json")])
+def test_a_model_source_that_cannot_be_one_fails_before_any_server_starts(
+        tmp_path: Path, role: str, source: str, words: str) -> None:
+    (tmp_path / "passwd").write_text("root:x:0:0\n")
+    if source in ("missing", "passwd", "."):
+        source = str(tmp_path / source)
     ports = [str(free_port()) for _ in range(4)]
-    result = _run("--role", role, "--model", str(tmp_path / "missing"), "--host", "127.0.0.1", "--device", "cpu",
+    result = _run("--role", role, "--model", source, "--host", "127.0.0.1", "--device", "cpu",
                   "--http-port", ports[0], "--grpc-port", ports[1], "--transfer-port", ports[2],
                   "--admin-port", ports[3], "--insecure")
-    assert result.returncode == 1
-    assert "does not exist" in result.stderr
+    assert result.returncode == 2, result.stderr
+    assert words in result.stderr and "Traceback" not in result.stderr
+    assert "Started server process" not in result.stderr
+
+
+@pytest.mark.parametrize(("flags", "words"), [
+    (("--advertise-host", "bad host!"), "--advertise-host 'bad host!' is not an IPv4 address"),
+    (("--host", "::1"), "--host '::1' is not an IPv4 address")])
+def test_a_pd_worker_that_cannot_name_itself_by_an_ipv4_address_fails_before_loading(
+        flags: tuple[str, ...], words: str) -> None:
+    """xLLM's cluster_id packs an IPv4 address: this failed once the model had loaded."""
+    result = _run("--role", "prefill", "--insecure", "--model", "x", *flags)
+    assert result.returncode == 2 and words in result.stderr and "Traceback" not in result.stderr
+    assert _configs("--role", "prefill", "--insecure", "--model", "x", "--host", "localhost")[1].instance_name \
+        == "127.0.0.1:7777", "a name is resolved once"
 
 
 def test_metrics_carry_every_contract_name(served: Any) -> None:

@@ -36,7 +36,7 @@ def test_demo_answers_and_reports_kv_bytes(tmp_path: Path) -> None:
 
 def test_demo_fails_plainly_on_a_missing_model(tmp_path: Path) -> None:
     result = subprocess.run([*DEMO, "--model", str(tmp_path / "missing")], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert "does not exist" in result.stderr
 
 

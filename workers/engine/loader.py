@@ -67,16 +67,24 @@ def load_model(source: str, dtype: torch.dtype, device: torch.device,
 
 def resolve_model_dir(source: str, cache_dir: Path) -> Path:
     """The Hugging Face folder behind a source, converting GGUF files (once) on the way."""
+    found = check_model_source(source)
+    return convert_gguf(found, cache_dir) if found.is_file() else found
+
+
+def check_model_source(source: str) -> Path:
+    """The GGUF file or folder `source` names, checked without reading its weights (a server
+    checks this before it starts): a folder's config.json is read. ModelLoadError or
+    ModelConfigError naming what is wrong."""
     if source.startswith(BUILTIN_PREFIX):
-        return convert_gguf(builtin_gguf_path(source[len(BUILTIN_PREFIX):]), cache_dir)
+        return builtin_gguf_path(source[len(BUILTIN_PREFIX):])
     path = Path(source).expanduser()
     if not path.exists():
         raise ModelLoadError(f"model source {source!r} does not exist (expected a Hugging Face folder, "
                              f"a .gguf file or one of {[BUILTIN_PREFIX + n for n in BUILTIN_MODELS]})")
-    if path.is_file():
-        if path.suffix != ".gguf":
-            raise ModelLoadError(f"model file {path} is not a .gguf file")
-        return convert_gguf(path, cache_dir)
+    if path.is_file() and path.suffix != ".gguf":
+        raise ModelLoadError(f"model file {path} is not a .gguf file")
+    if path.is_dir():
+        ModelConfig.from_dir(path)
     return path
 
 
