@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
@@ -39,8 +40,8 @@ def test_each_rotation_step_understands_its_neighbours() -> None:
         steps[0].check_proof(steps[3].proof("acceptor", "x"), "acceptor", "x")
 
 
-def test_a_key_file_is_followed_and_a_bad_rewrite_keeps_the_working_keys(tmp_path: Path,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_key_file_is_followed_and_a_bad_rewrite_keeps_the_working_keys(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr(key_module, "RELOAD_CHECK_S", 0.0)
     old, new = new_key_text(), new_key_text()
     path = tmp_path / "key"
@@ -53,7 +54,10 @@ def test_a_key_file_is_followed_and_a_bad_rewrite_keeps_the_working_keys(tmp_pat
     CredentialVerifier(ring).verify(METHOD, _ring(new).credential(METHOD))  # the new key is accepted now
     assert ring.fingerprint() == _ring(old, new).fingerprint() != first
     _write(path, b"short")  # not a key: ignored, the previous keys stay
-    assert ring.fingerprint() == _ring(old, new).fingerprint()
+    with caplog.at_level(logging.WARNING, logger=key_module.__name__):
+        for _ in range(3):
+            assert ring.fingerprint() == _ring(old, new).fingerprint()
+    assert len([r for r in caplog.records if "unusable" in r.message]) == 1, "told once, not at every look"
     path.unlink()  # a vanished file changes nothing either
     assert ring.fingerprint() == _ring(old, new).fingerprint()
 

@@ -74,6 +74,7 @@ class ClusterKey:
         self._secrets = self._parse(text)
         self._path = path
         self._stamp = self._file_stamp() if path is not None else None
+        self._refused_stamp: tuple[int, int, int] | None = None  # the unusable file last warned of
         self._checked = time.monotonic()
         self._lock = threading.Lock()
 
@@ -138,13 +139,14 @@ class ClusterKey:
             with self._lock:
                 self._checked = time.monotonic()
                 stamp = self._file_stamp()
-                if stamp is not None and stamp != self._stamp:
+                if stamp is not None and stamp not in (self._stamp, self._refused_stamp):
                     try:
                         self._secrets = self._parse(self._read(self._path))
                         self._stamp = stamp
                         log.info("cluster key file %s changed: %d key(s) now accepted", self._path,
                                  len(self._secrets))
                     except ValueError as exc:  # half-written or wrong: keep the keys that work
+                        self._refused_stamp = stamp  # read again, and told again, once it changes
                         log.warning("cluster key file changed but is unusable, keeping the previous keys: %s", exc)
         return self._secrets
 
