@@ -5,8 +5,8 @@ before the engine sees the request."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
 from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 from jinja2 import TemplateError
@@ -222,11 +222,9 @@ def _sampling_params(
     if max_tokens is None:
         max_tokens = room  # OpenAI's chat default: as long as the context allows
     elif max_tokens > room:
-        raise BadRequest(
-            f"{sent.get('max_tokens', 'max_tokens')} is {max_tokens}, but the prompt has {len(prompt_ids)} tokens "
-            f"and the context is {model.max_model_len}: at most {room} tokens can be generated",
-            sent.get("max_tokens", "max_tokens"),
-        )
+        field = sent.get("max_tokens", "max_tokens")
+        raise BadRequest(f"{field} is {max_tokens}, but the prompt has {len(prompt_ids)} tokens and the context "
+                         f"is {model.max_model_len}: at most {room} tokens can be generated", field)
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     check_token_ids(req.stop_token_ids or (), model, "stop_token_ids")
     if req.prompt_logprobs is not None and req.stream and isinstance(req, ChatCompletionRequest):
@@ -269,7 +267,7 @@ def _sampling_params(
         )
     except ValueError as exc:
         # SamplingParams words each problem as "<field> must ...".
-        field, _, rest = str(exc).partition(" ")
-        if field not in SamplingParams.__dataclass_fields__:
+        name, _, rest = str(exc).partition(" ")
+        if name not in SamplingParams.__dataclass_fields__:
             raise BadRequest(str(exc)) from exc
-        raise BadRequest(f"{sent.get(field, field)} {rest}", sent.get(field, field)) from exc
+        raise BadRequest(f"{sent.get(name, name)} {rest}", sent.get(name, name)) from exc

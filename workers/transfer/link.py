@@ -175,13 +175,10 @@ class LinkedTransport(KVTransport):
                     [int(kind) for kind in self._offered], self._hello_extras() if index == 0 else {},
                 )
                 answers.append(initiate(sock, hello, self._key, deadline,
-                                        lambda challenge: self._unwanted(challenge.name, expect_name)))
+                                        lambda challenge: self._unwanted(address, challenge.name, expect_name)))
         except TimeoutError as exc:
             self._close_all(socks)
             raise TransferTimeout(f"transfer peer {address} did not answer within {timeout:.1f}s") from exc
-        except LinkRefusedError as exc:
-            self._close_all(socks)
-            raise LinkRefusedError(f"{address} refused the link: {exc}") from exc
         except (OSError, TransferError):
             self._close_all(socks)
             raise
@@ -189,7 +186,7 @@ class LinkedTransport(KVTransport):
             self._close_all(socks)
             raise TransferError(f"transfer peer {address} answered a malformed handshake: {exc!r}") from exc
         refused = next((reply for reply, _ in answers if not reply.ok), None)
-        reply, challenge = answers[0]
+        reply, _ = answers[0]
         reason = None
         if refused is not None:
             reason = refused.reason
@@ -204,15 +201,15 @@ class LinkedTransport(KVTransport):
         self._register(session)
         return session
 
-    def _unwanted(self, acceptor: str, expect_name: str | None) -> str | None:
-        """Why the acceptor named `acceptor` is not this link's peer, or None. Asked of its
-        CHALLENGE, before the proof: a refused link must not replace the acceptor's session
+    def _unwanted(self, address: str, acceptor: str, expect_name: str | None) -> str | None:
+        """Why the acceptor at `address`, named `acceptor`, is not this link's peer, or None. Asked
+        of its CHALLENGE, before the proof: a refused link must not replace the acceptor's session
         with this worker (a wrong name in a LinkInstance would cut a healthy link)."""
         if acceptor == self.instance_name:
-            return "a worker cannot link to itself"
+            return f"{address} refused the link: a worker cannot link to itself"
         if expect_name is not None and acceptor != expect_name:
             # A link names an instance: the data path must lead to that one, not whoever answers there.
-            return f"it is {acceptor!r}, not the {expect_name!r} the link names"
+            return f"{address} refused the link: it is {acceptor!r}, not the {expect_name!r} the link names"
         return None
 
     def session(self, peer_name: str, timeout: float) -> TransferSession:
