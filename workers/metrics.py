@@ -37,12 +37,12 @@ class RequestOutcome:
     """Values of the `status` label of disagg_requests_total (not the engine's RequestStatus)."""
 
     OK = "ok"  # finished by a stop condition or max_tokens
-    REJECTED = "rejected"  # bad input, answered with a 4xx
+    REJECTED = "rejected"  # refused before it ran: bad input (4xx), over the admission limit, not ready
     ABORTED = "aborted"  # the client went away or the engine aborted it
     ERROR = "error"  # the server failed it
 
 
-AUTH_PATHS = ("grpc", "http-link", "transfer")
+AUTH_PATHS = ("grpc", "http-link", "transfer", "api-key")
 
 
 MIGRATION_REASONS = ("lost", "hung", "aborted", "idle")
@@ -93,8 +93,8 @@ class WorkerMetrics:
         )
         self.auth_failures = Counter(
             "disagg_auth_failures",
-            "Calls and connections refused for a missing or wrong cluster credential, by path "
-            "(grpc, http-link, transfer).",
+            "Calls and connections refused for a missing or wrong credential, by path: the cluster "
+            "key's (grpc, http-link, transfer) and the client API key's (api-key).",
             ["path"],
             registry=r,
         )

@@ -20,6 +20,7 @@ import httpx
 import pytest
 from starlette.requests import Request
 
+from disagg.testing.operator_process import sample
 from disagg.workers.http.app import AdmittedStream
 from disagg.workers.http.edge import MAX_BODY_BYTES, read_body
 from disagg.workers.http.errors import BodyTimeout
@@ -183,8 +184,27 @@ def test_a_request_that_can_never_be_admitted_is_400_not_429(guarded: Any) -> No
         assert c.post(COMPLETIONS, json=_completion(n=2)).status_code == 200  # the limit itself fits
 
 
+def _metric(worker: Any, name: str, **labels: str) -> float:
+    return sample(httpx.get(f"{worker.base_url}/metrics", timeout=10.0).text, name, labels)
+
+
+def test_refusals_before_the_engine_are_counted(guarded: Any) -> None:
+    """A body too large is a rejected request; a wrong API key an auth failure on path api-key."""
+    rejected = _metric(guarded, "disagg_requests_total", role="mixed", status="rejected")
+    failures = _metric(guarded, "disagg_auth_failures_total", path="api-key")
+    big = json.dumps(_completion(prompt="x" * (MAX_BODY_BYTES + 1)))
+    with httpx.Client(base_url=guarded.base_url, timeout=60.0) as client:
+        refused = client.post(COMPLETIONS, content=big, headers={"authorization": f"Bearer {API_KEY}",
+                                                                 "content-type": "application/json"})
+        assert refused.status_code == 413
+        assert client.post(COMPLETIONS, json=_completion(), headers={"authorization": "Bearer no"}).status_code == 401
+    assert _metric(guarded, "disagg_requests_total", role="mixed", status="rejected") == rejected + 1
+    assert _metric(guarded, "disagg_auth_failures_total", path="api-key") == failures + 1
+
+
 def test_beyond_the_admission_limit_is_429_with_retry_after(guarded: Any) -> None:
     headers = {"authorization": f"Bearer {API_KEY}"}
+    rejected = _metric(guarded, "disagg_requests_total", role="mixed", status="rejected")
     long = _completion(max_tokens=400, ignore_eos=True, stream=True)
     with httpx.Client(base_url=guarded.base_url, timeout=60.0, headers=headers) as client:
         with contextlib.ExitStack() as streams:
@@ -194,6 +214,7 @@ def test_beyond_the_admission_limit_is_429_with_retry_after(guarded: Any) -> Non
             refused = client.post(COMPLETIONS, json=_completion())
             _assert_error(refused, 429, "limit")
             assert refused.headers["retry-after"] == "1"
+            assert _metric(guarded, "disagg_requests_total", role="mixed", status="rejected") == rejected + 1
         # Closing the streams gives their places back.
         deadline = time.monotonic() + 30
         while (ok := client.post(COMPLETIONS, json=_completion())).status_code == 429 and time.monotonic() < deadline:

@@ -24,6 +24,7 @@ import openai
 import pytest
 
 from disagg.proto.vocabulary import TRANSFER_PORT
+from disagg.testing.operator_process import sample
 from disagg.workers.local import WorkerProcess, link, unlink
 from disagg.workers.security.control import http_credential_headers
 
@@ -201,6 +202,27 @@ def test_a_prefill_with_no_decode_answers_503(lone_prefill: WorkerProcess) -> No
         complete(lone_prefill, prompt_of(5))
     assert info.value.status_code == 503
     assert "no decode" in str(info.value)
+
+
+def test_a_prompt_no_decode_can_hold_is_a_413_that_counts_no_tokens(processes: Any) -> None:
+    """Refused once the request had started (the router knows the decodes' pools): counted as
+    rejected, with no prompt tokens and no latency, as its usage reports none."""
+    small, prefill = processes.start(("decode", "--num-kv-blocks", "8"), ("prefill",))
+    assert link(small, prefill) is None
+    processes.wait_until(lambda: _ready(prefill) == 200, "the prefill is linked")
+
+    def metric(name: str, **labels: str) -> float:
+        return sample(httpx.get(f"{prefill.base_url}/metrics", timeout=10).text, name, labels)
+
+    counted = ("disagg_prompt_tokens_total", "disagg_e2e_request_latency_seconds_count",
+               "disagg_time_to_first_token_seconds_count")
+    before = {name: metric(name) for name in counted}
+    rejected = metric("disagg_requests_total", role="prefill", status="rejected")
+    with pytest.raises(openai.APIStatusError) as err:
+        complete(prefill, prompt_of(200))
+    assert err.value.status_code == 413 and "can never fit" in str(err.value)
+    assert {name: metric(name) for name in counted} == before
+    assert metric("disagg_requests_total", role="prefill", status="rejected") == rejected + 1
 
 
 def test_disagg_link_refuses_a_different_block_size(cluster: Cluster, lone_prefill: WorkerProcess) -> None:

@@ -116,7 +116,7 @@ def build_app(state: AppState, client_api: bool = True, api_key: str | None = No
                        allow_headers=cors.allowed_headers, allow_credentials=cors.allow_credentials)
     install_error_handlers(app)
     tracing.instrument(app, ("/v1/completions", "/v1/chat/completions", "/v1/responses"))
-    auth = [Depends(bearer_check(api_key))] if api_key else []
+    auth = [Depends(bearer_check(api_key, lambda: state.metrics.count_auth_failure("api-key")))] if api_key else []
 
     @app.get("/health")
     async def health() -> dict[str, str | bool]:
@@ -249,8 +249,7 @@ def _document_bodies(app: FastAPI, models: list[type[BaseModel]]) -> None:
 
 
 async def _answer(state: AppState, kind: type[CompletionRequest | ChatCompletionRequest], request: Request) -> Response:
-    serving = state.require_serving()
-    body, prepared = await _parsed(state, request, lambda raw: _parse_and_prepare(kind, raw, serving))
+    serving, (body, prepared) = await _parsed(state, request, lambda raw, serving: _parse_and_prepare(kind, raw, serving))
     is_chat = isinstance(body, ChatCompletionRequest)
     stream_options = body.stream_options or StreamOptions()
     call = Call(
@@ -264,11 +263,10 @@ async def _answer(state: AppState, kind: type[CompletionRequest | ChatCompletion
 
 
 async def _answer_responses(state: AppState, request: Request) -> Response:
-    serving = state.require_serving()
-    model = serving.backend.model
     response_id = new_id("resp")
-    body, prepared, template = await _parsed(
-        state, request, lambda raw: _parse_and_prepare_responses(raw, serving, response_id))
+    serving, (body, prepared, template) = await _parsed(
+        state, request, lambda raw, serving: _parse_and_prepare_responses(raw, serving, response_id))
+    model = serving.backend.model
     run = ResponseRun(serving, Call("chat", response_id, model.name, prepared, return_token_ids=False,
                                     include_usage=False), template)
     return await _run(state, request, run.call, bool(body.stream), run.stream, run.respond)
@@ -277,13 +275,16 @@ async def _answer_responses(state: AppState, request: Request) -> Response:
 _Parsed = TypeVar("_Parsed")
 
 
-async def _parsed(state: AppState, request: Request, parse: Callable[[bytes], _Parsed]) -> _Parsed:
-    """The body, read with its size bound, then parsed and prepared by `parse` in a thread (JSON
-    parsing and tokenisation of a large body take long); a refusal is counted."""
-    state.admission.check_room()
-    raw = await read_body(request)
+async def _parsed(state: AppState, request: Request, parse: Callable[[bytes, OpenAIServing], _Parsed]
+                  ) -> tuple[OpenAIServing, _Parsed]:
+    """The serving, and the body read with its size bound, then parsed and prepared by `parse` in
+    a thread (JSON parsing and tokenisation of a large body take long). Each refusal is counted
+    as rejected: not ready or draining (503), over the admission limit (429), too large (413), bad."""
     try:
-        return await asyncio.to_thread(parse, raw)
+        serving = state.require_serving()
+        state.admission.check_room()
+        raw = await read_body(request)
+        return serving, await asyncio.to_thread(parse, raw, serving)
     except (APIError, RequestValidationError):
         state.metrics.count_request(RequestOutcome.REJECTED)
         raise

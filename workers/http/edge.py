@@ -27,14 +27,16 @@ RETRY_AFTER_S = 1
 RequestCheck = Callable[[Request], Awaitable[None]]
 
 
-def bearer_check(api_key: str) -> RequestCheck:
-    """A route dependency that refuses (401) a request without `Authorization: Bearer <api_key>`."""
+def bearer_check(api_key: str, on_failure: Callable[[], None]) -> RequestCheck:
+    """A route dependency that refuses (401) a request without `Authorization: Bearer <api_key>`,
+    calling `on_failure` for each refusal."""
     expected = api_key.encode()
 
     async def check(request: Request) -> None:
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         # compare_digest: the time taken says nothing about how much of the key matched.
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected):
+            on_failure()
             raise Unauthorized("a valid API key is required: send 'Authorization: Bearer <key>'")
 
     return check

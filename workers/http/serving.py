@@ -160,7 +160,6 @@ class OpenAIServing:
     ) -> AsyncGenerator[tuple[Choice, RequestOutput], None]:
         """The merged deltas of every choice, with metrics recorded at the end."""
         status = RequestOutcome.ERROR
-        self.metrics.count_prompt_tokens(call.num_prompt_tokens)
         p = call.prepared
         try:
             async with aclosing(stream_choices(self.backend, call.request_id, p.prompts, p.params, wait_disconnect)) as stream:
@@ -177,7 +176,10 @@ class OpenAIServing:
             status = RequestOutcome.REJECTED
             raise BadRequest(str(exc)) from exc
         except RequestFailed as exc:  # a role's failure, at its HTTP status
-            raise role_api_error(exc) from exc
+            error = role_api_error(exc)
+            if error.status < 500:  # refused for what it asks (a prompt no decode can hold)
+                status = RequestOutcome.REJECTED
+            raise error from exc
         finally:
             self._record(call, choices, status)
 
@@ -186,7 +188,12 @@ class OpenAIServing:
         self.metrics.count_request(status)
         if tracing.is_enabled():
             tracing.annotate(_gen_ai_attributes(call, choices))
-        for c in choices:
+        # Only what ran counts tokens and latencies: a request failed before its prompt was computed
+        # (no decode had room, say) would add prompt tokens no usage reports and a timeout as a latency.
+        ran = [c for c in choices if status == RequestOutcome.OK or c.first_token_at is not None]
+        if ran:
+            self.metrics.count_prompt_tokens(call.num_prompt_tokens)
+        for c in ran:
             ttft = None if c.first_token_at is None else c.first_token_at - call.arrival
             span = 0.0 if c.first_token_at is None or c.last_token_at is None else c.last_token_at - c.first_token_at
             self.metrics.observe_sequence(ttft, end - call.arrival, c.num_output_tokens, span)
