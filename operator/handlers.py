@@ -193,3 +193,4 @@ async def reconcile(name: str, namespace: str | None, body: kopf.Body, memo: kop
     finally:
         await controller.stop()
         state.controllers.pop((namespace, name), None)
+        metrics.forget(namespace, name)  # the cluster is gone (or the operator stops)

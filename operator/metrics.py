@@ -52,6 +52,9 @@ class OperatorMetrics:
         self.autoscaler_latency = Gauge(p + "autoscaler_latency_p90_seconds",
                                         "The p90 the autoscaler read over its window: TTFT for prefill, TPOT for "
                                         "decode; NaN with no sample.", cluster_role, registry=r)
+        # The series labelled by cluster: `forget` drops a deleted cluster's.
+        self._per_cluster = (self.links, self.pods, self.band_adjustment, self.band_satisfiable,
+                             self.autoscaler_desired, self.autoscaler_decisions, self.autoscaler_latency)
 
     def observe_links(self, results: Iterable[LinkResult]) -> None:
         for res in results:
@@ -81,6 +84,16 @@ class OperatorMetrics:
             self.autoscaler_decisions.labels(namespace, cluster, role, d.outcome, d.hold or "none").inc()
         for role, latency in latency_p90_s.items():
             self.autoscaler_latency.labels(namespace, cluster, role).set(math.nan if latency is None else latency)
+
+    def forget(self, namespace: str, cluster: str) -> None:
+        """Drop the series of a cluster that is gone: dashboards would show it at its last values."""
+        for metric in self._per_cluster:
+            names = metric._labelnames  # prometheus_client lists a metric's children by no public API
+            for family in metric.collect():
+                found = {tuple(s.labels[n] for n in names) for s in family.samples
+                         if s.labels.get("namespace") == namespace and s.labels.get("cluster") == cluster}
+                for labels in found:
+                    metric.remove(*labels)
 
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
         """Expose /metrics on `port` in a background thread; once (a retried startup calls it again)."""

@@ -90,6 +90,19 @@ def test_status_and_metrics_show_the_same_counts(mixed: tuple[ClusterSpec, list[
     assert gauge("links", state="pending") == 0 and gauge("links", state="mismatched") == 1
 
 
+def test_a_deleted_clusters_series_are_dropped_and_the_others_kept(mixed: tuple[ClusterSpec, list[PodView]]) -> None:
+    """Dashboards would show a deleted cluster at its last values for as long as the operator runs."""
+    spec, views = mixed
+    metrics = OperatorMetrics()
+    for cluster in ("llm", "other"):
+        metrics.export("ns", cluster, snapshot_of(spec, views))
+        metrics.export_band("ns", cluster, {"prefill": 1, "decode": 0}, True)
+    metrics.forget("ns", "llm")
+    kept = {(s.labels.get("cluster"), family.name) for family in metrics.registry.collect() for s in family.samples}
+    assert ("other", "disagg_operator_pods") in kept and ("other", "disagg_operator_ratio_band_satisfiable") in kept
+    assert not [name for cluster, name in kept if cluster == "llm"]
+
+
 def roles(prefill: RoleCounts, decode: RoleCounts) -> dict[str, RoleCounts]:
     return {"prefill": prefill, "decode": decode}
 
