@@ -23,6 +23,8 @@ from disagg.workers.security.control import control_channel
 
 GREEDY = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=120, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+# More tokens before the end may come than the continuation may make: its minimum is what is left of it.
+MINIMUM = SamplingParams(max_tokens=120, min_tokens=115, temperature=0.0)
 PROMPT = [(11 * i) % 200 + 3 for i in range(13)]
 
 
@@ -77,7 +79,7 @@ async def stream_with_a_fault(pair: Any, params: SamplingParams, fault: str, aft
     return tokens
 
 
-@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("params", [GREEDY, SEEDED, MINIMUM], ids=["greedy", "seeded", "min-tokens"])
 @pytest.mark.parametrize("fault", ["unlink", "abort"])
 async def test_a_failed_decode_hands_the_stream_on_without_a_seam(
         pd_pair: Callable[..., Any], kit: Any, tiny_model_dir: Any, reference_tokens: Callable[..., list[int]],

@@ -204,6 +204,16 @@ class PrefillRole(EngineHealth["AsyncEngine[LLMEngine]"]):
         call.task = asyncio.create_task(work, name=f"prefill-{call.req_id}")
         self._tasks.add(call.task)
         call.task.add_done_callback(self._tasks.discard)
+        call.task.add_done_callback(lambda task: self._ended(call, task))
+
+    def _ended(self, call: _Call, task: asyncio.Task[None]) -> None:
+        """An attempt that raised still ends its stream: `_run` turns each failure into the
+        stream's error, so this is for what went wrong around it (never a hang)."""
+        if task.cancelled() or (error := task.exception()) is None:
+            return
+        log.error("request %s: its attempt failed", call.req_id, exc_info=error)
+        if not call.stream.closed:
+            call.stream.put(DecodeFailed(f"request {call.req_id} failed: {error}"))
 
     # --- migration ---------------------------------------------------------------
 
@@ -254,6 +264,7 @@ class PrefillRole(EngineHealth["AsyncEngine[LLMEngine]"]):
         call.prompt = list(stream.request.token_ids)  # the prompt, then every token the client has
         # The client has the prompt's logprobs: the continuation's prefill need not compute them again.
         call.params = dataclasses.replace(call.params, max_tokens=original.max_tokens - sent,
+                                          min_tokens=max(original.min_tokens - sent, 0),
                                           draws_made=original.draws_made + sent, prompt_logprobs=None)
         call.route, call.held, call.started_on_decode = None, False, False
         await self._run(call, migrated=True)
