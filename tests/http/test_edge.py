@@ -200,6 +200,14 @@ def test_refusals_before_the_engine_are_counted(guarded: Any) -> None:
         assert client.post(COMPLETIONS, json=_completion(), headers={"authorization": "Bearer no"}).status_code == 401
     assert _metric(guarded, "disagg_requests_total", role="mixed", status="rejected") == rejected + 1
     assert _metric(guarded, "disagg_auth_failures_total", path="api-key") == failures + 1
+    # One request held of 2: an n=2 request passes the first look, then does not fit.
+    headers = {"authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(base_url=guarded.base_url, timeout=60.0, headers=headers) as client:
+        long = _completion(max_tokens=400, ignore_eos=True, stream=True)
+        with client.stream("POST", COMPLETIONS, json=long) as held:
+            assert held.status_code == 200
+            _assert_error(client.post(COMPLETIONS, json=_completion(n=2)), 429, "limit")
+    assert _metric(guarded, "disagg_requests_total", role="mixed", status="rejected") == rejected + 2
 
 
 def test_beyond_the_admission_limit_is_429_with_retry_after(guarded: Any) -> None:

@@ -22,8 +22,9 @@ So are the bodies of vLLM's /tokenize and /detokenize.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
@@ -278,13 +279,20 @@ _Parsed = TypeVar("_Parsed")
 async def _parsed(state: AppState, request: Request, parse: Callable[[bytes, OpenAIServing], _Parsed]
                   ) -> tuple[OpenAIServing, _Parsed]:
     """The serving, and the body read with its size bound, then parsed and prepared by `parse` in
-    a thread (JSON parsing and tokenisation of a large body take long). Each refusal is counted
-    as rejected: not ready or draining (503), over the admission limit (429), too large (413), bad."""
-    try:
+    a thread (JSON parsing and tokenisation of a large body take long)."""
+    with _refusals_counted(state):
         serving = state.require_serving()
         state.admission.check_room()
         raw = await read_body(request)
         return serving, await asyncio.to_thread(parse, raw, serving)
+
+
+@contextlib.contextmanager
+def _refusals_counted(state: AppState) -> Iterator[None]:
+    """Count each refusal of a request before it runs as rejected: not ready or draining (503),
+    over the admission limit (429), too large (413), bad input (400)."""
+    try:
+        yield
     except (APIError, RequestValidationError):
         state.metrics.count_request(RequestOutcome.REJECTED)
         raise
@@ -298,12 +306,12 @@ async def _run(state: AppState, request: Request, call: Call, stream: bool,
     # Each of n choices of each prompt is a sequence in the engine.
     n, prompts = call.prepared.params.n, len(call.prepared.prompts)
     sequences = n * prompts
-    if sequences > state.admission.limit:  # never admitted: a 429 would have the client retry forever
-        state.metrics.count_request(RequestOutcome.REJECTED)
-        raise BadRequest(f"this request is {sequences} sequences ({prompts} prompt(s), n={n}); this server holds at "
-                         f"most {state.admission.limit} at once: send fewer prompts or a smaller n",
-                         "n" if n > 1 else "prompt")
-    state.admission.enter(sequences)
+    with _refusals_counted(state):
+        if sequences > state.admission.limit:  # never admitted: a 429 would have the client retry forever
+            raise BadRequest(f"this request is {sequences} sequences ({prompts} prompt(s), n={n}); this server holds "
+                             f"at most {state.admission.limit} at once: send fewer prompts or a smaller n",
+                             "n" if n > 1 else "prompt")
+        state.admission.enter(sequences)
     if stream:
         return AdmittedStream(events(wait_disconnect), lambda: state.admission.leave(sequences))
     try:
