@@ -161,6 +161,34 @@ async def test_client_going_away_frees_both_sides(pd_pair: Callable[..., Any]) -
         await wait_for(lambda: free_blocks(pair) == (NUM_KV_BLOCKS, NUM_KV_BLOCKS), "the decode freed its blocks")
 
 
+async def test_a_client_gone_while_a_decode_reserves_leaves_no_reservation(
+        pd_pair: Callable[..., Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The client leaves while AddNewRequests is out: the decode still reserves, and the prefill
+    frees it once answered, instead of the decode holding it for its 120 s reservation TTL."""
+    async with pd_pair() as pair:
+        role = pair.decode.role
+        reserve = role.add_requests
+        asked = asyncio.Event()
+
+        async def slow_reserve(*args: Any, **kwargs: Any) -> Any:
+            answer = await reserve(*args, **kwargs)
+            asked.set()
+            await asyncio.sleep(0.5)  # reserved, not yet answered: the client leaves meanwhile
+            return answer
+
+        monkeypatch.setattr(role, "add_requests", slow_reserve)
+        stream = pair.prefill.role.generate("gone", prompt_of(9), GREEDY)
+        first = asyncio.ensure_future(stream.__anext__())
+        await asyncio.wait_for(asked.wait(), 10)
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+        await stream.aclose()
+        await wait_for(lambda: role.stats().kv_blocks_free == NUM_KV_BLOCKS and role.stats().requests_waiting == 0,
+                       "the decode freed the reservation")
+        monkeypatch.setattr(role, "add_requests", reserve)
+        assert len(await collect(pair, "after", prompt_of(7))) == GREEDY.max_tokens
+
+
 async def test_bad_rpcs_get_errors_and_the_decode_keeps_serving(pd_pair: Callable[..., Any]) -> None:
     async with pd_pair("PULL", pd=PDConfig(max_message_bytes=1 << 16)) as pair:
         stub, name = pair.stub, pair.prefill_config.instance_name

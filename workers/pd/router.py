@@ -20,7 +20,7 @@ from disagg.workers.pd.clients import PeerClients
 from disagg.workers.pd.config import PDConfig
 from disagg.workers.pd.errors import DecodeFailed, NoDecodeAvailable, PDError, PromptNeverFits, RequestRefused
 from disagg.workers.pd.links import PeerTable
-from disagg.workers.pd.messages import Admission, NewRequest
+from disagg.workers.pd.messages import Admission, NewRequest, Reservation
 from disagg.workers.transfer import TransferSession
 
 log = logging.getLogger(__name__)
@@ -51,6 +51,7 @@ class DecodeRouter:
         self._addresses: dict[str, str] = {}  # decode name -> its gRPC address
         self._load: dict[str, int] = {}  # decode name -> requests routed there and not done
         self._full_until: dict[str, float] = {}  # decode name -> when its last "no free blocks" expires
+        self._releases: set[asyncio.Task[None]] = set()  # reservations nobody waits for any more, being freed
 
     def add(self, session: TransferSession) -> None:
         """A decode linked to us (its handshake named its gRPC address)."""
@@ -95,14 +96,17 @@ class DecodeRouter:
                 address = self._addresses[name]
                 # Counted while asked, so that a burst of requests spreads over the decodes.
                 self._load[name] = self._load.get(name, 0) + 1
+                asking = asyncio.ensure_future(self._clients.add_new_requests(address, self._name, [request]))
                 try:
-                    [answer] = await self._clients.add_new_requests(address, self._name, [request])
+                    # Shielded: a call cut off may still reserve on the decode, for no one to free.
+                    [answer] = await asyncio.shield(asking)
                 except PDError as exc:
                     self.done(name)
                     reason = f"decode {name} failed AddNewRequests: {exc}"
                     continue
                 except BaseException:  # cancelled (the client went away): not routed there after all
                     self.done(name)
+                    self._release_when_answered(asking, address, request.req_id)
                     raise
                 if answer.status is Admission.OK and len(answer.block_ids) == num_blocks:
                     return Route(name, address, answer.block_ids, answer.num_cached_blocks)
@@ -120,6 +124,24 @@ class DecodeRouter:
                 raise NoDecodeAvailable(reason)
             await asyncio.sleep(delay)
             delay = min(2 * delay, self._config.backoff_max_s)
+
+    def _release_when_answered(self, asking: asyncio.Future[list[Reservation]], address: str, req_id: str) -> None:
+        """Free the reservation an abandoned AddNewRequests makes, once it answers (bounded by
+        its RPC deadline); until then the decode would hold the blocks for its reservation TTL."""
+        async def release() -> None:
+            try:
+                [answer] = await asking
+            except Exception:  # noqa: BLE001 - no answer: nothing reserved that this side knows of
+                return
+            if answer.status is Admission.OK:
+                try:
+                    await self._clients.cancel(address, req_id)
+                except PDError as exc:
+                    log.info("could not free the abandoned reservation of %s: %s", req_id, exc)
+
+        task = asyncio.ensure_future(release())
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
 
     def done(self, decode: str) -> None:
         """A request routed to `decode` is over."""
