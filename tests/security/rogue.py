@@ -53,13 +53,14 @@ async def control(args: argparse.Namespace, key: ClusterKey | None) -> dict[str,
 
 
 def transfer(args: argparse.Namespace, key: ClusterKey | None) -> dict[str, str]:
-    """A data-path link to each side: the prefill (to pull its KV, posing as its decode) and the decode (to push)."""
+    """A data-path link to each side: the prefill (to pull its KV, posing as its decode) and the decode
+    (to push, posing as another worker: named as the decode, our own transport would not even ask)."""
     results = {}
-    for attempt, address in (("pull_kv", args.prefill_transfer), ("push_kv", args.decode_transfer)):
+    for attempt, address, name in (("pull_kv", args.prefill_transfer, args.decode_name),
+                                   ("push_kv", args.decode_transfer, "127.0.0.1:1")):
         # The handshake is refused before any layout is revealed, so a guessed one is all it can send.
         layout = KVLayout("guess", "float32", 1, 1, 1, 1, 1)
-        rogue = create_transport("tcp", torch.zeros(layout.shape), layout, args.decode_name, args.decode_name,
-                                 num_connections=1, key=key)
+        rogue = create_transport("tcp", torch.zeros(layout.shape), layout, name, name, num_connections=1, key=key)
         try:
             rogue.connect(address, timeout=10)
             results[attempt] = "linked"
