@@ -166,7 +166,8 @@ def check_ports_free(host: str, ports: dict[str, int]) -> None:
     """OSError naming the first of `ports` (what each is for -> port; 0 is any) that HOST cannot bind.
 
     gRPC and the KV transport bind only once the model has loaded; this tells of a taken port
-    before the minutes a load takes. A check, not a reservation: the port is let go at once."""
+    (and checks the others before the model source) at once. A check, not a reservation: the
+    port is let go at once."""
     for purpose, port in ports.items():
         if port:
             try:
@@ -283,21 +284,10 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig, spec: 
                            cors=server_config.cors)
     if spec.link_routes:
         _add_link_routes(admin_app, client_app, state, server_config, lambda: started[0] if started else None)
-    from disagg.workers.engine.loader import check_model_source
-
-    admin_sockets: list[socket.socket] = []
-    http_sockets: list[socket.socket] = []
     try:
-        if spec.link_routes:  # a prefill or a decode: its gRPC and KV transfer ports too
-            check_ports_free(server_config.host, {"gRPC": server_config.grpc_port,
-                                                  "KV transfer": server_config.transfer_port})
-        admin_sockets = listening_sockets(server_config.host, server_config.admin_port)
-        http_sockets = listening_sockets(server_config.host, server_config.http_port)
-        check_model_source(engine_config.model)  # a wrong path is told now, not after the servers start
+        admin_sockets, http_sockets = _startable(engine_config, server_config, spec)
     except (OSError, ValueError) as exc:  # ValueError: the loader's errors (ModelLoadError, ModelConfigError)
         log.error("%s", exc)
-        for sock in admin_sockets + http_sockets:
-            sock.close()
         return 2
     admin = _uvicorn(admin_app, server_config.host, server_config.admin_port, graceful_shutdown_s=1.0)
     admin_task = asyncio.create_task(admin.serve(admin_sockets), name="admin")
@@ -306,6 +296,27 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig, spec: 
     finally:
         admin.should_exit = True
         await admin_task
+
+
+def _startable(engine_config: EngineConfig, server_config: ServerConfig, spec: RoleSpec
+               ) -> tuple[list[socket.socket], list[socket.socket]]:
+    """The admin and HTTP listening sockets, once every port and the model source are known to
+    be usable: what would fail after the servers started (or the model loaded) fails here."""
+    from disagg.workers.engine.loader import check_model_source
+
+    host = server_config.host
+    ports = {"HTTP": server_config.http_port, "admin": server_config.admin_port}
+    if spec.link_routes:  # a prefill or a decode: its gRPC and KV transfer ports too
+        ports |= {"gRPC": server_config.grpc_port, "KV transfer": server_config.transfer_port}
+    check_ports_free(host, ports)
+    check_model_source(engine_config.model)
+    admin_sockets = listening_sockets(host, server_config.admin_port)
+    try:
+        return admin_sockets, listening_sockets(host, server_config.http_port)
+    except OSError:
+        for sock in admin_sockets:
+            sock.close()
+        raise
 
 
 async def _serve_clients(engine_config: EngineConfig, server_config: ServerConfig, spec: RoleSpec,
