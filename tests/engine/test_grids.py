@@ -14,8 +14,9 @@ from torch import nn
 
 from disagg.workers.engine.config import EngineConfig
 from disagg.workers.engine.llm_engine import LLMEngine
-from disagg.workers.engine.loader import load_model
-from disagg.workers.engine.models import grids
+from disagg.workers.engine.loader import LoadedModel, load_model, read_safetensors
+from disagg.workers.engine.model_config import ModelConfig
+from disagg.workers.engine.models import grids, model_class
 from disagg.workers.engine.models.grids import GridFormat
 from disagg.workers.engine.models.packing import GRID_MAX_ROWS, PackedLinear, packing_available
 from disagg.workers.engine.sampling_params import SamplingParams
@@ -99,7 +100,8 @@ def test_packed_linear_serves_small_steps_from_the_codes(fmt: GridFormat) -> Non
     layer = PackedLinear(weight, None)
     assert layer.grid is not None and layer.grid.format is fmt
     assert PackedLinear(torch.randn(64, 96), None).grid is None
-    for rows in (1, GRID_MAX_ROWS[fmt], GRID_MAX_ROWS[fmt] + 1):  # the codes, then oneDNN's packed float32
+    most = GRID_MAX_ROWS[fmt, torch.float32]
+    for rows in (1, most, most + 1):  # the codes, then our float32 panels
         x = torch.randn(rows, 96)
         torch.testing.assert_close(layer(x), F.linear(x, weight), atol=1e-5, rtol=1e-5)
 
@@ -137,4 +139,97 @@ def test_an_engine_on_grid_weights_decodes_as_the_float32_path(tiny_model: Calla
     for layer in layers:
         layer.grid = None
     assert greedy() == from_codes
+    assert engine.num_free_blocks == free
+
+
+def test_source_grids_join_the_shards_of_a_fused_weight() -> None:
+    """q, k and v load into one weight: its codes are theirs, in row order, only when every
+    row came from one grid."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (snap_to_grid(torch.randn(rows, 64, generator=gen), GridFormat.Q4_1) for rows in (32, 16, 16))
+    found = grids.SourceGrids()
+    for first, shard in ((48, v), (0, q), (32, k)):  # in any order
+        found.offer("qkv", first, shard)
+    fused = found.found({"qkv": 64})["qkv"]
+    whole = grids.find_grid(torch.cat([q, k, v]))
+    assert whole is not None and fused.format is whole.format
+    assert torch.equal(fused.codes, whole.codes) and torch.equal(fused.scales, whole.scales)
+
+    off_grid, short, mixed = grids.SourceGrids(), grids.SourceGrids(), grids.SourceGrids()
+    off_grid.offer("qkv", 0, q)
+    off_grid.offer("qkv", 32, torch.randn(32, 64, generator=gen))
+    short.offer("qkv", 0, q)
+    short.offer("qkv", 48, v)  # rows 32..48 never came
+    mixed.offer("qkv", 0, q)
+    mixed.offer("qkv", 32, snap_to_grid(torch.randn(32, 64, generator=gen), GridFormat.Q8_0))
+    for partial in (off_grid, short, mixed):
+        assert partial.found({"qkv": 64}) == {}
+    assert found.found({"qkv": 80}) == {}, "rows the shards did not cover"
+
+
+def bf16_codes_served() -> bool:
+    """Whether a bf16 model serves small steps from codes here: oneDNN's bf16 linear, without
+    the AMX kernel (which keeps small bf16 steps where it runs)."""
+    if not packing_available(CPU, torch.bfloat16):
+        return False
+    return PackedLinear(torch.zeros(32, 32, dtype=torch.bfloat16), None,
+                        grids.find_grid(torch.zeros(32, 32))).grid is not None
+
+
+@pytest.mark.skipif(not bf16_codes_served(), reason="bf16 small steps run on AMX or oneDNN has no bf16 here")
+@pytest.mark.parametrize("fmt", list(GridFormat))
+def test_a_bf16_projection_from_the_codes_keeps_the_exact_weights(fmt: GridFormat) -> None:
+    """The bf16 cast rounds every weight; the codes hold them exactly, so a small step is the
+    float32 matmul rounded once, closer to it than the bf16 weights' own."""
+    gen = torch.Generator().manual_seed(4)
+    weight = snap_to_grid(torch.randn(96, 128, generator=gen), fmt)
+    bias = torch.randn(96, generator=gen)
+    layer = PackedLinear(weight.bfloat16(), bias.bfloat16(), grids.find_grid(weight))
+    assert layer.grid is not None and layer.grid.format is fmt
+    for rows in (1, GRID_MAX_ROWS[fmt, torch.bfloat16]):
+        x = torch.randn(rows, 128, generator=gen).bfloat16()
+        exact = F.linear(x.float(), weight, bias.bfloat16().float())
+        got = layer(x)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, 96)
+        torch.testing.assert_close(got.float(), exact, rtol=2 ** -8, atol=1e-6)
+        rounded_weights = F.linear(x, weight.bfloat16(), bias.bfloat16()).float()
+        assert (got.float() - exact).abs().mean() < (rounded_weights - exact).abs().mean()
+
+
+@pytest.mark.skipif(not bf16_codes_served(), reason="bf16 small steps run on AMX or oneDNN has no bf16 here")
+def test_a_bf16_model_keeps_the_codes_of_its_float32_checkpoint(tiny_model: Callable[..., Path]) -> None:
+    """A GGUF's weights reach the loader as float32 on their grids: a bf16 model finds the
+    codes while loading (fused projections from their shards), serves small steps from them,
+    and decodes with its blocks returned."""
+    path = tiny_model("llama", tied=True)
+    config = ModelConfig.from_dir(path)
+
+    def checkpoint(on_grid: bool) -> list[tuple[str, torch.Tensor]]:
+        if not on_grid:
+            return list(read_safetensors(path))
+        return [(name, snap_to_grid(t, GridFormat.Q8_0 if "embed_tokens" in name else GridFormat.Q4_1)
+                 if t.dim() == 2 else t) for name, t in read_safetensors(path)]
+
+    plain = model_class(config.architecture).create(config, torch.bfloat16, CPU)
+    plain.load_weights(checkpoint(on_grid=False))
+    assert plain.source_grids == {}
+    model = model_class(config.architecture).create(config, torch.bfloat16, CPU)
+    model.load_weights(checkpoint(on_grid=True))
+    assert {"model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.mlp.gate_up_proj.weight",
+            "model.embed_tokens.weight"} <= set(model.source_grids)
+    engine = LLMEngine(EngineConfig(model=str(path), device="cpu", dtype="bfloat16", num_kv_blocks=32, block_size=4),
+                       LoadedModel(model, config, path))
+    packed = engine.model_runner.model
+    assert packed.source_grids == {}, "released once packed"
+    layers = [m for m in packed.modules() if isinstance(m, PackedLinear)]
+    assert packed.lm_head.grid is not None and packed.lm_head.grid.format is GridFormat.Q8_0
+    assert all(m.grid is not None and m.grid.format is GridFormat.Q4_1 for m in layers if m is not packed.lm_head)
+    free = engine.num_free_blocks
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    engine.add_request("grid-bf16", [5, 17, 42, 7, 9], params)
+    tokens: list[int] = []
+    while engine.has_unfinished_requests:
+        for out in engine.step():
+            tokens.extend(out.new_token_ids)
+    assert len(tokens) == 12
     assert engine.num_free_blocks == free

@@ -89,12 +89,44 @@ def find_grid(weight: torch.Tensor) -> GridWeight | None:
         return _q4_1(groups) or _q8_0(groups)
 
 
+class SourceGrids:
+    """The grids of a checkpoint's float32 tensors, found as they load into weights of another
+    dtype (a bf16 model from a GGUF's dequantised float32). The cast rounds the weights; the
+    codes keep them exact and serve small steps as they do in a float32 model (a sixth or a
+    quarter of the bytes a step reads; a bf16 model's own weights are half)."""
+
+    def __init__(self) -> None:
+        self._shards: dict[str, list[tuple[int, GridWeight | None]]] = {}
+
+    def offer(self, name: str, first_row: int, tensor: torch.Tensor) -> None:
+        """A checkpoint tensor [rows, K] loaded into rows `first_row`.. of the weight `name`."""
+        self._shards.setdefault(name, []).append((first_row, find_grid(tensor)))
+
+    def found(self, rows_of: dict[str, int]) -> dict[str, GridWeight]:
+        """The weights whose every row came from tensors on one grid, by name (`rows_of`: each
+        weight's rows)."""
+        out = {}
+        for name, shards in self._shards.items():
+            row, parts = 0, list[GridWeight]()
+            for first, grid in sorted(shards, key=lambda shard: shard[0]):
+                if grid is None or first != row or (parts and grid.format is not parts[0].format):
+                    break
+                parts.append(grid)
+                row += grid.codes.shape[0]
+            else:
+                if row == rows_of[name]:
+                    out[name] = GridWeight(parts[0].format, torch.cat([g.codes for g in parts]),
+                                           torch.cat([g.scales for g in parts]))
+        return out
+
+
 def grid_linear(x: torch.Tensor, weight: GridWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., K] float32 -> [..., N] float32: x @ W.T + bias, W dequantised in registers."""
+    """x [..., K] -> [..., N] in x's dtype: x @ W.T + bias, W dequantised in registers, the
+    sums in float32 (`bias` float32); a bf16 x is widened first and the result rounded once."""
     kernel = _kernel()
     assert kernel is not None, "grid_linear needs is_available() first"
     n, k = weight.codes.shape[0], weight.in_features
-    rows = x.reshape(-1, k).contiguous()
+    rows = x.reshape(-1, k).float().contiguous()
     out = torch.empty(rows.shape[0], n, dtype=torch.float32)
     with cpu_kernels.profiled(PROFILE_LABEL):
         status = kernel(int(weight.format), rows.data_ptr(), weight.codes.data_ptr(), weight.scales.data_ptr(),
@@ -102,4 +134,4 @@ def grid_linear(x: torch.Tensor, weight: GridWeight, bias: torch.Tensor | None) 
                         torch.get_num_threads())
     if status != 0:
         raise ValueError(f"grid_linear_f32 refused a weight of {k} columns (a multiple of {GROUP} is needed)")
-    return out.reshape(*x.shape[:-1], n)
+    return out.reshape(*x.shape[:-1], n).to(x.dtype)

@@ -19,6 +19,7 @@ from disagg.workers.engine.attention import (
 )
 from disagg.workers.engine.forward_batch import ForwardBatch
 from disagg.workers.engine.model_config import ConfigTraits, ModelConfig
+from disagg.workers.engine.models import grids
 from disagg.workers.engine.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rope, input_major
 from disagg.workers.engine.models.packing import PackedLinear, pack_linear_weights
 from disagg.workers.engine.models.registry import register
@@ -124,6 +125,7 @@ class LlamaForCausalLM(nn.Module):
         # (until pack_weights gives it a packed copy).
         self.lm_head: nn.Module | None = None if config.tie_word_embeddings else \
             Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.source_grids: dict[str, grids.GridWeight] = {}  # load_weights to pack_weights (grids.SourceGrids)
 
     @classmethod
     def create(cls, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
@@ -153,15 +155,18 @@ class LlamaForCausalLM(nn.Module):
         A tied output projection gets its own packed copy: the embedding lookup
         needs the plain rows. Nothing can be loaded into the model afterwards.
         """
-        pack_linear_weights(self)
+        pack_linear_weights(self, self.source_grids)
         if self.lm_head is None:
-            self.lm_head = PackedLinear(self.model.embed_tokens.weight, None)
+            self.lm_head = PackedLinear(self.model.embed_tokens.weight, None,
+                                        self.source_grids.get("model.embed_tokens.weight"))
+        self.source_grids = {}
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies Hugging Face named tensors into the model; raises WeightLoadError on
         unknown names, shape mismatches, or parameters left without a value."""
         params = dict(self.named_parameters())
         filled = dict.fromkeys(params, 0)  # elements written per parameter
+        found = grids.SourceGrids()
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.config.tie_word_embeddings):
                 continue  # recomputed here / the tied embedding already holds it
@@ -176,10 +181,14 @@ class LlamaForCausalLM(nn.Module):
                                       f"expected {tuple(target.shape)}")
             target.copy_(tensor)
             filled[target_name] += tensor.numel()
+            if tensor.dtype == torch.float32 != target.dtype and tensor.dim() == 2 and target.device.type == "cpu" \
+                    and grids.is_available():
+                found.offer(target_name, 0 if rows is None else rows[0], tensor)
         missing = [n for n, p in params.items() if filled[n] != p.numel()]
         if missing:
             raise WeightLoadError(f"checkpoint lacks weights for {missing[:5]}"
                                   + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+        self.source_grids = found.found({name: p.shape[0] for name, p in params.items()})
 
     def _target(self, name: str) -> tuple[str, tuple[int, int] | None]:
         """Checkpoint name -> (our parameter name, row range or None for the whole tensor)."""

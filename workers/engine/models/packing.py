@@ -21,10 +21,15 @@ from torch import nn
 
 from disagg.workers.engine.models import grids, panels
 
-# Steps of at most this many rows read a weight on a quantisation grid from its
-# codes (models/grids.py); bigger ones are bound by arithmetic, where the float32 path is
-# faster (benchmarks/bench_grid_rows.py measures where).
-GRID_MAX_ROWS = {grids.GridFormat.Q4_1: 8, grids.GridFormat.Q8_0: 8}
+# Steps of at most this many rows (by grid and the model's dtype) read a weight on a
+# quantisation grid from its codes (models/grids.py); bigger ones are bound by arithmetic,
+# where the dtype's own path is faster. benchmarks/bench_grid_rows.py measures where: float32
+# against our panels, bf16 against oneDNN's bf16 linear on an AVX-512 BF16 CPU without AMX
+# (docs/benchmarks-engine.md, "Grid codes for bf16 models").
+GRID_MAX_ROWS = {
+    (grids.GridFormat.Q4_1, torch.float32): 8, (grids.GridFormat.Q8_0, torch.float32): 8,
+    (grids.GridFormat.Q4_1, torch.bfloat16): 4, (grids.GridFormat.Q8_0, torch.bfloat16): 2,
+}
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -58,7 +63,9 @@ class PackedLinear(nn.Module):
     packed_weight: torch.Tensor
     bias: torch.Tensor | None
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, grid: grids.GridWeight | None = None) -> None:
+        """`grid`: the weight's codes when they were found before it was cast (SourceGrids);
+        else a float32 weight is looked at here."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.in_panels = weight.dtype == torch.float32 and panels.preferred()
@@ -69,11 +76,18 @@ class PackedLinear(nn.Module):
         self.register_buffer("packed_weight", packed, persistent=False)
         self.onednn_panels = None if self.in_panels else panels.onednn_panels(weight, packed)
         self.register_buffer("bias", None if bias is None else bias.detach().contiguous(), persistent=False)
-        self.grid = grids.find_grid(weight) if grids.is_available() else None
+        if grid is None and grids.is_available():
+            grid = grids.find_grid(weight)
+        assert grid is None or (grid.codes.shape[0], grid.in_features) == tuple(weight.shape), "the weight's own codes"
+        # On AMX CPUs our bf16 kernel serves small steps (measured there); codes were not measured against it.
+        self.grid = None if self.onednn_panels is not None else grid
+        # The codes' kernel sums in float32, and adds a float32 bias (the same tensor for a float32 model).
+        self.register_buffer("grid_bias", None if bias is None or self.grid is None else bias.detach().float().contiguous(),
+                             persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.grid is not None and x.shape[0] <= GRID_MAX_ROWS[self.grid.format] and x.dtype == torch.float32:
-            return grids.grid_linear(x, self.grid, self.bias)
+        if self.grid is not None and x.shape[0] <= GRID_MAX_ROWS[self.grid.format, x.dtype]:
+            return grids.grid_linear(x, self.grid, self.grid_bias)
         if self.in_panels:
             return panels.panel_linear(x, self.packed_weight, self.out_features, self.bias)
         if self.onednn_panels is not None and x.numel() <= panels.BF16_MAX_ROWS * self.in_features:
@@ -87,15 +101,17 @@ class PackedLinear(nn.Module):
                 f"grid={self.grid.format.name if self.grid else None}")
 
 
-def pack_linear_weights(model: nn.Module) -> int:
+def pack_linear_weights(model: nn.Module, source_grids: dict[str, grids.GridWeight] | None = None) -> int:
     """Replace every nn.Linear under `model` by a PackedLinear; returns how many were replaced.
+    `source_grids`: codes found at load time, by weight name (grids.SourceGrids).
 
     The replaced weights are released; call it once the weights are loaded.
     """
     replaced = 0
-    for parent in list(model.modules()):
+    for path, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(parent, name, PackedLinear(child.weight, child.bias))
+                grid = (source_grids or {}).get(f"{path}.{name}.weight" if path else f"{name}.weight")
+                setattr(parent, name, PackedLinear(child.weight, child.bias, grid))
                 replaced += 1
     return replaced
