@@ -162,7 +162,7 @@ def _json_strings(text: str) -> list[str]:
 
 
 def add_key_arguments(p: argparse.ArgumentParser) -> None:
-    """--cluster-key-file and --insecure, shared by serve, link, unlink and demo."""
+    """--cluster-key-file and --insecure, shared by serve, link and unlink (`disagg demo` makes a key of its own)."""
     group = p.add_mutually_exclusive_group()
     group.add_argument("--cluster-key-file", default=default_key_file(), metavar="PATH",
                        help=f"the cluster's shared key (default: ${KEY_FILE_ENV}; else the key itself in ${KEY_ENV})")
