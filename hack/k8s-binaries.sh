@@ -108,6 +108,13 @@ build_module_binary() {
 
 build_module_binary etcd go.etcd.io/etcd/server/v3 "$ETCD_VERSION" go.etcd.io/etcd/server/v3
 build_kube
+# As helm's own release build: offline `helm template` and `helm lint` assume this Kubernetes
+# version (v1.20 without it, which the chart's kubeVersion refuses).
+kube_minor=${KUBE_VERSION#v*.}; kube_minor=${kube_minor%%.*}
+helm_kube_flags=""
+for pkg in helm.sh/helm/v3/pkg/chartutil helm.sh/helm/v3/pkg/lint/rules; do
+  helm_kube_flags="$helm_kube_flags -X $pkg.k8sVersionMajor=1 -X $pkg.k8sVersionMinor=$kube_minor"
+done
 build_module_binary helm helm.sh/helm/v3 "$HELM_VERSION" helm.sh/helm/v3/cmd/helm \
-  "-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"
+  "-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION$helm_kube_flags"
 echo "$BIN"

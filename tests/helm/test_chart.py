@@ -57,6 +57,13 @@ def test_every_values_file_renders_every_object_with_the_standard_labels(helm: H
         assert SELECTOR_KEYS <= set(labels), f"{obj['kind']} {obj['metadata']['name']} lacks the recommended labels"
 
 
+def test_a_cluster_older_than_the_worker_pods_need_is_refused_at_install(helm: Helm) -> None:
+    """Worker pods use the preStop sleep action (Kubernetes 1.30): helm says so before installing."""
+    done = helm("template", "disagg", str(CHART), "--kube-version", "1.29.9", check=False)
+    assert done.returncode != 0 and "kubeVersion: >=1.30.0-0" in done.stderr
+    assert helm.template("--kube-version", "1.30.0").find("Deployment")
+
+
 def test_defaults_render_the_operator_and_nothing_optional(helm: Helm) -> None:
     objects = helm.template()
     kinds = sorted(o["kind"] for o in objects)
