@@ -1,7 +1,7 @@
 """The CPU prefill attention kernel (csrc/prefill_attention.c) against SDPA.
 
-The kernel runs in float32 where the CPU has AVX2 and FMA and a C compiler
-builds it; elsewhere the engine serves prompts with SDPA and these tests are
+The kernel runs in float32 (bf16 prompts widened to it) where the CPU has AVX2
+and FMA and a C compiler builds it; elsewhere the engine serves prompts with SDPA and these tests are
 skipped (the skip says so).
 """
 
@@ -63,6 +63,23 @@ def test_kernel_matches_sdpa(q_len: int, ctx: int, heads: int, kv_heads: int, he
     torch.testing.assert_close(got, sdpa(q, keys, values, scale), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize(("q_len", "ctx", "heads", "kv_heads", "head_dim"), [SHAPES[0], SHAPES[2], SHAPES[7]])
+def test_a_bf16_prompt_is_its_float32_attention_rounded_once(q_len: int, ctx: int, heads: int, kv_heads: int,
+                                                             head_dim: int) -> None:
+    """bf16 queries, keys and values are float32 values: the kernel attends in float32 and
+    rounds the output to bf16 once, as close to float64 as SDPA's bf16 path (which also rounds
+    the probabilities) or closer."""
+    q = random_rows(q_len, heads, head_dim, seed=4).bfloat16()
+    keys = random_rows(ctx, kv_heads, head_dim, seed=5).bfloat16()
+    values = random_rows(ctx, kv_heads, head_dim, seed=6).bfloat16()
+    scale = head_dim ** -0.5
+    got = run_kernel(q, keys, values, scale)
+    assert got.dtype == torch.bfloat16
+    exact = sdpa(q.double(), keys.double(), values.double(), scale)
+    torch.testing.assert_close(got.double(), exact, rtol=2 ** -8, atol=1e-6)
+    assert (got.double() - exact).abs().mean() <= (sdpa(q, keys, values, scale).double() - exact).abs().mean()
+
+
 def test_strided_rows_are_read_and_written_in_place() -> None:
     """Queries, keys and values as column slices of one wider row (a fused QKV projection's output),
     the output into its slice of a step's rows: nothing outside the slice changes."""
@@ -116,7 +133,8 @@ def test_shapes_it_does_not_take_go_to_sdpa_or_are_refused() -> None:
     q = torch.zeros(4, 4, 40)  # head_dim not a multiple of 16
     assert not cpu_attention.supports_prefill(q, q[:, :2])
     q = torch.zeros(4, 4, 64)
-    assert not cpu_attention.supports_prefill(q.bfloat16(), q.bfloat16()[:, :2]), "bf16 prompts keep SDPA"
+    assert not cpu_attention.supports_prefill(q.half(), q.half()[:, :2]), "float16 prompts keep SDPA"
+    assert not cpu_attention.supports_prefill(q.bfloat16(), q[:, :2]), "queries and keys of two dtypes"
     assert not cpu_attention.supports_prefill(q, q[:, :3]), "heads not a multiple of the KV heads"
     q = random_rows(8, 2, 64, seed=8)
     with pytest.raises(ValueError, match="8 queries over 4 keys"):

@@ -1,6 +1,7 @@
 """Attention kernels for the CPU (see cpu_kernels): paged decode attention
 (csrc/paged_decode.c) and, in float32 where the CPU has AVX2 and FMA, a
-prompt's causal attention (csrc/prefill_attention.c).
+prompt's causal attention (csrc/prefill_attention.c; a bf16 prompt's widened
+to float32: 1.9x SDPA's bf16 path at 256 tokens on a Zen 4, docs/benchmarks-engine.md).
 
 The plain path (attention._decode) copies every decode sequence's context into
 a padded tensor per layer and step, then runs SDPA over the copy: at 32
@@ -106,7 +107,13 @@ def supports_prefill(q: torch.Tensor, keys: torch.Tensor) -> bool:
     """Whether prefill_attention serves these queries ([q_len, heads, hd]) over these keys ([ctx, kvh, hd])."""
     head_dim, kv_heads = q.shape[-1], keys.shape[-2]
     shapes_fit = head_dim % PREFILL_HEAD_DIM_STEP == 0 and head_dim <= MAX_HEAD_DIM and q.shape[-2] % kv_heads == 0
-    return q.device.type == "cpu" and q.dtype == keys.dtype and q.dtype in _prefill_kernels() and shapes_fit
+    return q.device.type == "cpu" and q.dtype == keys.dtype and _prefill_kernel(q.dtype) is not None and shapes_fit
+
+
+def _prefill_kernel(dtype: torch.dtype) -> cpu_kernels.Kernel | None:
+    # A bf16 prompt runs the float32 kernel on widened copies (exact: every bf16 is a float32), its
+    # output rounded once; SDPA's bf16 path also rounds the probabilities.
+    return _prefill_kernels().get(torch.float32 if dtype == torch.bfloat16 else dtype)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -121,8 +128,13 @@ def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
     q, out: [q_len, heads, hd]; keys, values: [ctx, kvh, hd] with ctx >= q_len, the
     queries being the last q_len positions (a cached prefix before them)."""
-    kernel = _prefill_kernels().get(q.dtype)
+    kernel = _prefill_kernel(q.dtype)
     assert kernel is not None, "prefill_attention needs supports_prefill() first"
+    if q.dtype == torch.bfloat16:
+        wide = torch.empty(out.shape, dtype=torch.float32)
+        prefill_attention(q.float(), keys.float(), values.float(), wide, scale)
+        out.copy_(wide)
+        return
     assert out.stride(-1) == 1 and out.stride(-2) == out.shape[-1], "the kernel writes each token's heads packed"
     q, keys, values = _rows(q), _rows(keys), _rows(values)
     if keys.stride(0) != values.stride(0):  # the kernel takes one stride for both
