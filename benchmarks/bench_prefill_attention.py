@@ -2,13 +2,15 @@
 (a script, not a test).
 
 One prompt's causal attention in a model shaped like the embedded default
-(SmolLM2-135M: 9 query heads, 3 KV heads, head_dim 64), float32, `--tokens`
+(SmolLM2-135M: 9 query heads, 3 KV heads, head_dim 64), in `--dtype` (a bf16
+prompt goes to the float32 kernel widened, its output rounded once), `--tokens`
 new tokens after `--cached` cached ones, the queries, keys and values column
 slices of one fused QKV row as the model hands them over. The two are timed in
 turn, call by call, on the same tensors. Prints ms per call (one layer), the
 causal half's GFLOP/s and the largest difference between the two outputs:
 
     .venv/bin/python benchmarks/bench_prefill_attention.py [--tokens 256 1024] [--cached 0] [--calls 30]
+        [--dtype float32|bfloat16]
 """
 
 from __future__ import annotations
@@ -31,16 +33,18 @@ def main() -> int:
     p.add_argument("--cached", type=int, default=0, help="tokens cached before them (a prefix-cache hit)")
     p.add_argument("--calls", type=int, default=30, help="timed calls of each (default: 30)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     scale = HEAD_DIM ** -0.5
-    print(f"float32, {HEADS} heads over {KV_HEADS} KV heads, head_dim {HEAD_DIM}, {args.cached} cached tokens, "
+    dtype = getattr(torch, args.dtype)
+    print(f"{args.dtype}, {HEADS} heads over {KV_HEADS} KV heads, head_dim {HEAD_DIM}, {args.cached} cached tokens, "
           f"{args.threads} threads; medians of {args.calls} calls in turn")
     print("| new tokens | kernel ms | SDPA ms | kernel GFLOP/s | SDPA GFLOP/s | speed-up | max abs difference |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for tokens in args.tokens:
         context = args.cached + tokens
-        fused = torch.randn(context, (HEADS + 2 * KV_HEADS) * HEAD_DIM)
+        fused = torch.randn(context, (HEADS + 2 * KV_HEADS) * HEAD_DIM).to(dtype)
         q = fused[args.cached:, :HEADS * HEAD_DIM].view(tokens, HEADS, HEAD_DIM)
         keys = fused[:, HEADS * HEAD_DIM:(HEADS + KV_HEADS) * HEAD_DIM].view(context, KV_HEADS, HEAD_DIM)
         values = fused[:, (HEADS + KV_HEADS) * HEAD_DIM:].view(context, KV_HEADS, HEAD_DIM)
@@ -48,7 +52,7 @@ def main() -> int:
             print("the kernel does not run here (it needs AVX2, FMA and a C compiler)")
             return 1
         mask = torch.arange(context)[None, :] <= torch.arange(args.cached, context)[:, None]
-        kernel_out = torch.empty(tokens, HEADS, HEAD_DIM)
+        kernel_out = torch.empty(tokens, HEADS, HEAD_DIM, dtype=dtype)
         sdpa_out: list[torch.Tensor] = []
 
         def kernel() -> None:
@@ -65,7 +69,7 @@ def main() -> int:
         # scores and P V over the keys each query sees: 2 x 2 x head_dim flops per (query, key, head)
         pairs = sum(args.cached + i + 1 for i in range(tokens))
         gflop = 4 * HEAD_DIM * HEADS * pairs / 1e9
-        difference = (kernel_out - sdpa_out[0]).abs().max().item()
+        difference = (kernel_out.float() - sdpa_out[0].float()).abs().max().item()
         print(f"| {tokens} | {ms['kernel']:.3f} | {ms['sdpa']:.3f} | {gflop / ms['kernel'] * 1e3:.1f} | "
               f"{gflop / ms['sdpa'] * 1e3:.1f} | {ms['sdpa'] / ms['kernel']:.2f}x | {difference:.1e} |")
     return 0
