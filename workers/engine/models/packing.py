@@ -62,6 +62,7 @@ class PackedLinear(nn.Module):
 
     packed_weight: torch.Tensor
     bias: torch.Tensor | None
+    grid_bias: torch.Tensor | None
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, grid: grids.GridWeight | None = None) -> None:
         """`grid`: the weight's codes when they were found before it was cast (SourceGrids);
