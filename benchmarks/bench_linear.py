@@ -50,17 +50,32 @@ def alternating_medians(kernels: Mapping[str, Callable[[], object]], calls: int,
     return {kernel: statistics.median(t) for kernel, t in times.items()}
 
 
+PanelLinear = Callable[[torch.Tensor], torch.Tensor]
+
+
+def both_packings(weight: torch.Tensor) -> tuple[PanelLinear, torch.Tensor]:
+    """(x -> x @ weight.T by our panel kernel, oneDNN's packed copy). A bf16 kernel reads oneDNN's
+    copy, as the engine's PackedLinear does (in the panels' width oneDNN chose here)."""
+    in_onednn = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    n = weight.shape[0]
+    found = panels.onednn_panels(weight, in_onednn)
+    if found is not None:
+        return lambda x: panels.panel_linear_at(x, found, n, None), in_onednn
+    in_panels = panels.pack(weight)
+    return lambda x: panels.panel_linear(x, in_panels, n, None), in_onednn
+
+
 def by_shape(args: argparse.Namespace) -> None:
     print("| rows | " + " | ".join(f"{name} panels / oneDNN" for name in SHAPES) + " |")
     print("|---:|" + "---:|" * len(SHAPES))
     weights = {name: torch.randn(n, k).to(args.dtype) for name, (n, k) in SHAPES.items()}
-    packed = {name: (panels.pack(w), torch.ops.mkldnn._reorder_linear_weight(w, None)) for name, w in weights.items()}
+    packed = {name: both_packings(w) for name, w in weights.items()}
     for rows in args.rows:
         cells = []
         for name, (n, k) in SHAPES.items():
             x = torch.randn(rows, k).to(args.dtype)
             in_panels, in_onednn = packed[name]
-            kernels = {"panels": lambda: panels.panel_linear(x, in_panels, n, None),
+            kernels = {"panels": lambda: in_panels(x),
                        "oneDNN": lambda: torch.ops.mkldnn._linear_pointwise(x, in_onednn, None, "none", [], "")}
             calls = max(1, int(2e8 / (rows * n * k)))  # about 0.4 GFLOP a timing
             gflops = {kernel: 2 * rows * n * k / t / 1e9
@@ -75,14 +90,12 @@ def streamed(args: argparse.Namespace) -> None:
     layer = [shape for name, shape in SHAPES.items() if name != "lm_head"]
     weights = [torch.randn(n, k).to(args.dtype) for _ in range(LAYERS) for n, k in layer]
     weights.append(torch.randn(*SHAPES["lm_head"]).to(args.dtype))
-    in_panels = [panels.pack(w) for w in weights]
-    in_onednn = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
+    in_panels, in_onednn = zip(*map(both_packings, weights))
     step_bytes = sum(w.numel() * w.element_size() for w in weights)
     for rows in args.rows:
         xs = {k: torch.randn(rows, k).to(args.dtype) for k in {w.shape[1] for w in weights}}
         kernels = {
-            "panels": lambda: [panels.panel_linear(xs[w.shape[1]], p, w.shape[0], None)
-                               for w, p in zip(weights, in_panels)],
+            "panels": lambda: [p(xs[w.shape[1]]) for w, p in zip(weights, in_panels)],
             "oneDNN": lambda: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], o, None, "none", [], "")
                                for w, o in zip(weights, in_onednn)]}
         gbs = {kernel: step_bytes / t / 1e9 for kernel, t in alternating_medians(kernels, 1, args.rounds).items()}
@@ -105,7 +118,7 @@ def main() -> int:
     if not panels.preferred(args.dtype):
         print(f"note: the engine does not take the panel kernel for {args.dtype} on this CPU (see models/panels.py)")
         if args.dtype == torch.bfloat16:
-            return 1  # the bf16 kernel needs AMX: nothing to time
+            return 1  # the bf16 kernels need AMX or AVX-512 BF16: nothing to time
     torch.set_num_threads(args.threads)
     print(f"command: {' '.join(sys.orig_argv)}")
     print(f"{torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.2f}; "

@@ -165,14 +165,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     path = "the paged C kernel" if cpu_attention.is_available() else "the gather path"
     dtype = getattr(torch, args.dtype)
     path += f"; {args.dtype} projections: " + ("panel kernel" if panels.preferred(dtype) else "oneDNN")
-    path += ", from grid codes where weights sit on one" if grids.is_available() else ""
+    # Codes serve small steps unless our bf16 kernel does (models/packing.py).
+    codes = grids.is_available() and not (dtype == torch.bfloat16 and panels.preferred(dtype))
+    path += ", from grid codes where weights sit on one" if codes else ""
     print(f"command: {' '.join(sys.orig_argv)}")
     print(f"{args.model}, {args.dtype}, {torch.get_num_threads()} threads, decode attention: {path}; "
           f"load average {' / '.join(f'{x:.2f}' for x in os.getloadavg())}")
     context = max(args.prompt_tokens + 3 * args.steps + 20, args.prefill_tokens + 1)
     prefill_tokens = args.prefill_prompts * args.prefill_tokens
-    engine = build_engine(args.model, args.dtype, max(*args.batch_sizes, args.prefill_prompts), context,
-                          max(prefill_tokens, max(args.batch_sizes)))
+    # A budget for each batch's prompts in one step: prefilled a few tokens a step, a batch's first
+    # requests would finish decoding before its last ones start.
+    step_tokens = max(prefill_tokens, max(args.batch_sizes) * args.prompt_tokens)
+    engine = build_engine(args.model, args.dtype, max(*args.batch_sizes, args.prefill_prompts), context, step_tokens)
     pythons: dict[str, tuple[cProfile.Profile, int]] = {}
 
     def python_profile(row: str, steps: int) -> cProfile.Profile | None:

@@ -4,7 +4,7 @@ weights, and what a CPU engine runs for small steps."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -16,7 +16,7 @@ from disagg.workers.engine.config import EngineConfig
 from disagg.workers.engine.llm_engine import LLMEngine
 from disagg.workers.engine.loader import LoadedModel, load_model, read_safetensors
 from disagg.workers.engine.model_config import ModelConfig
-from disagg.workers.engine.models import grids, model_class
+from disagg.workers.engine.models import grids, model_class, panels
 from disagg.workers.engine.models.grids import GridFormat
 from disagg.workers.engine.models.packing import GRID_MAX_ROWS, PackedLinear, packing_available
 from disagg.workers.engine.sampling_params import SamplingParams
@@ -167,18 +167,23 @@ def test_source_grids_join_the_shards_of_a_fused_weight() -> None:
     assert found.found({"qkv": 80}) == {}, "rows the shards did not cover"
 
 
-def bf16_codes_served() -> bool:
-    """Whether a bf16 model serves small steps from codes here: oneDNN's bf16 linear, without
-    the AMX kernel (which keeps small bf16 steps where it runs)."""
-    if not packing_available(CPU, torch.bfloat16):
-        return False
-    return PackedLinear(torch.zeros(32, 32, dtype=torch.bfloat16), None,
-                        grids.find_grid(torch.zeros(32, 32))).grid is not None
+@pytest.fixture
+def bf16_by_onednn(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """bf16 projections by oneDNN alone (DISAGG_CPU_LINEAR=onednn), as on a CPU without our bf16
+    kernels (which keep small bf16 steps where they run): the codes serve small steps."""
+    monkeypatch.setenv(panels.SWITCH_ENV, "onednn")
+    panels.preferred.cache_clear()
+    yield
+    monkeypatch.delenv(panels.SWITCH_ENV)
+    panels.preferred.cache_clear()
 
 
-@pytest.mark.skipif(not bf16_codes_served(), reason="bf16 small steps run on AMX or oneDNN has no bf16 here")
+needs_onednn_bf16 = pytest.mark.skipif(not packing_available(CPU, torch.bfloat16), reason="oneDNN has no bf16 here")
+
+
+@needs_onednn_bf16
 @pytest.mark.parametrize("fmt", list(GridFormat))
-def test_a_bf16_projection_from_the_codes_keeps_the_exact_weights(fmt: GridFormat) -> None:
+def test_a_bf16_projection_from_the_codes_keeps_the_exact_weights(fmt: GridFormat, bf16_by_onednn: None) -> None:
     """The bf16 cast rounds every weight; the codes hold them exactly, so a small step is the
     float32 matmul rounded once, closer to it than the bf16 weights' own."""
     gen = torch.Generator().manual_seed(4)
@@ -196,8 +201,9 @@ def test_a_bf16_projection_from_the_codes_keeps_the_exact_weights(fmt: GridForma
         assert (got.float() - exact).abs().mean() < (rounded_weights - exact).abs().mean()
 
 
-@pytest.mark.skipif(not bf16_codes_served(), reason="bf16 small steps run on AMX or oneDNN has no bf16 here")
-def test_a_bf16_model_keeps_the_codes_of_its_float32_checkpoint(tiny_model: Callable[..., Path]) -> None:
+@needs_onednn_bf16
+def test_a_bf16_model_keeps_the_codes_of_its_float32_checkpoint(tiny_model: Callable[..., Path],
+                                                                 bf16_by_onednn: None) -> None:
     """A GGUF's weights reach the loader as float32 on their grids: a bf16 model finds the
     codes while loading (fused projections from their shards), serves small steps from them,
     and decodes with its blocks returned."""

@@ -10,11 +10,13 @@ import torch
 import torch.nn.functional as F
 
 from disagg.workers.engine import cpu_kernels
-from disagg.workers.engine.models import panels
+from disagg.workers.engine.models import grids, panels
 from disagg.workers.engine.models.packing import PackedLinear, packing_available
 
 pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler to build the CPU kernels")
-needs_amx = pytest.mark.skipif(not panels.preferred(torch.bfloat16), reason="bf16 panels need AMX (and Linux's leave)")
+needs_bf16_kernel = pytest.mark.skipif(not panels.preferred(torch.bfloat16),
+                                       reason="bf16 panels need AMX (and Linux's leave) or AVX-512 BF16")
+BF16_WIDTHS = panels.bf16_kernel().widths if panels.bf16_kernel() else (panels.BF16_PANEL,)
 
 
 @pytest.fixture
@@ -79,32 +81,45 @@ def bf16_sums_agree(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bi
     assert (got == want).float().mean() >= 0.99
 
 
-# rows: a tail of 1 row alone, tails beside blocks of 16 (17, 31, 33), a block pair (32), and 300:
-# two blocks of BLOCK_ROWS (256). (n, k): a partial last panel (40), one past a tile's 16 columns (17).
-@needs_amx
-@pytest.mark.parametrize("rows", [1, 2, 15, 16, 17, 31, 32, 33, 300])
-@pytest.mark.parametrize("n, k", [(40, 64), (17, 32), (960, 576)])
+# rows: AMX's tail of 1 row alone, tails beside blocks of 16 (17, 31, 33), a block pair (32), and 300:
+# two blocks of BLOCK_ROWS (256); the vectors' passes of 6 and 12 rows and their tails (5, 7, 13).
+# (n, k): a partial last panel (40, 100), one past a tile's 16 columns (17); threads sharing a panel (960).
+@needs_bf16_kernel
+@pytest.mark.parametrize("width", BF16_WIDTHS)
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 12, 13, 15, 16, 17, 31, 32, 33, 300])
+@pytest.mark.parametrize("n, k", [(40, 64), (100, 64), (17, 32), (960, 576)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_bf16_panel_linear_equals_f_linear(rows: int, n: int, k: int, bias: bool) -> None:
+def test_bf16_panel_linear_equals_f_linear(width: int, rows: int, n: int, k: int, bias: bool) -> None:
     gen = torch.Generator().manual_seed(rows * n + k)
     weight = torch.randn(n, k, generator=gen).bfloat16()
     b = torch.randn(n, generator=gen).bfloat16() if bias else None
     x = torch.randn(rows, k, generator=gen).bfloat16()
-    bf16_sums_agree(panels.panel_linear(x, panels.pack(weight), n, b), x, weight, b)
+    bf16_sums_agree(panels.panel_linear(x, panels.pack(weight, width), n, b), x, weight, b)
 
 
-def test_bf16_panels_are_amx_pairs_of_k() -> None:
+@needs_bf16_kernel
+def test_one_thread_takes_every_panel_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    gen = torch.Generator().manual_seed(3)
+    weight, b = torch.randn(100, 64, generator=gen).bfloat16(), torch.randn(100, generator=gen).bfloat16()
+    x = torch.randn(9, 64, generator=gen).bfloat16()
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    for width in BF16_WIDTHS:
+        bf16_sums_agree(panels.panel_linear(x, panels.pack(weight, width), 100, b), x, weight, b)
+
+
+@pytest.mark.parametrize("width", [32, 64])
+def test_bf16_panels_are_pairs_of_k(width: int) -> None:
     weight = torch.randn(40, 64).bfloat16()
-    packed = panels.pack(weight)
-    assert packed.shape == (2, 32, panels.BF16_PANEL, 2) and packed.is_contiguous()
+    packed = panels.pack(weight, width)
+    assert packed.shape == (-(-40 // width), 32, width, 2) and packed.is_contiguous()
     for n, k in ((0, 0), (5, 1), (31, 62), (33, 7), (39, 63)):
-        assert packed[n // 32, k // 2, n % 32, k % 2] == weight[n, k]
-    assert not packed[1, :, 8:].any()
+        assert packed[n // width, k // 2, n % width, k % 2] == weight[n, k]
+    assert not packed[-1, :, 40 % width:].any()
     with pytest.raises(ValueError, match="bf16 panels need K a multiple of 32, got a weight of 40 columns"):
         panels.pack(torch.randn(8, 40).bfloat16())
 
 
-@needs_amx
+@needs_bf16_kernel
 def test_packed_linear_reads_onednns_bf16_copy_for_small_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     weight, bias = torch.randn(48, 64).bfloat16(), torch.randn(48).bfloat16()  # 48: oneDNN pads to 64 columns
     layer = PackedLinear(weight, bias)
@@ -124,13 +139,17 @@ def test_packed_linear_reads_onednns_bf16_copy_for_small_steps(monkeypatch: pyte
     with pytest.raises(ValueError, match="panel_linear: x torch.float32 and bias against torch.bfloat16 panels"):
         layer(torch.randn(3, 64))
     assert PackedLinear(torch.randn(48, 40).bfloat16(), None).onednn_panels is None  # K not a multiple of 32
+    on_grid = PackedLinear(torch.zeros(48, 64).bfloat16(), None, grids.find_grid(torch.zeros(48, 64)))
+    assert on_grid.onednn_panels is not None and on_grid.grid is None, "our kernel serves small steps, not codes"
 
 
-@needs_amx
+@needs_bf16_kernel
 def test_a_onednn_copy_is_read_only_when_its_bytes_are_the_panels(caplog: pytest.LogCaptureFixture) -> None:
     weight = torch.randn(64, 64).bfloat16()
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-    assert panels.onednn_panels(weight, packed) == torch.ops.mkldnn.data_ptr(packed)
+    found = panels.onednn_panels(weight, packed)
+    assert found is not None and found.address == torch.ops.mkldnn.data_ptr(packed)
+    assert found.width in BF16_WIDTHS
     assert panels.onednn_panels(weight.float(), packed) is None
     assert "not in our panels' layout" not in caplog.text
     panels._warn_layout_differs.cache_clear()

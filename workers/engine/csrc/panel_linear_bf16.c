@@ -15,7 +15,8 @@
  * weights at half the memory's speed; from 256 rows, 0.8x to 1.0x, so larger
  * steps stay with oneDNN (benchmarks/bench_linear.py,
  * docs/benchmarks-engine.md). VDPBF16PS vectors were tried for short blocks
- * and were no faster at 1 row, 3x slower at 8.
+ * and were no faster at 1 row, 3x slower at 8 (CPUs without AMX take them:
+ * panel_linear_bf16_vec.c).
  * Each output is float32 sums over k, rounded to bfloat16 once after the bias,
  * as PyTorch's bf16 linear rounds.
  *
@@ -25,7 +26,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "vector.h"
+#include "bf16_panels.h"
 
 #if defined(__AVX512BF16__) && defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__linux__)
 #include <sys/syscall.h>
@@ -54,28 +55,6 @@ static int amx_permitted(void) {
 
 /* 1 when this build and this process can run panel_linear_bf16. */
 int panel_linear_bf16_available(void) { return amx_permitted(); }
-
-/* A panel's bias as two float32 vectors: -0.0 past it or without one, which adds nothing. */
-struct panel_bias {
-    __m512 left, right;
-};
-
-static inline struct panel_bias load_bias(const uint16_t *bias, __mmask32 mask) {
-    const __m512 none = _mm512_set1_ps(-0.0f);
-    if (bias == NULL) return (struct panel_bias){none, none};
-    const __m512i wide = _mm512_maskz_loadu_epi16(mask, bias);
-    const __m512 left = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(wide)), 16));
-    const __m512 right =
-        _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(wide, 1)), 16));
-    return (struct panel_bias){_mm512_mask_blend_ps((__mmask16)mask, none, left),
-                               _mm512_mask_blend_ps((__mmask16)(mask >> 16), none, right)};
-}
-
-/* A row's 32 sums plus the bias -> y under the panel's column mask, rounded to bfloat16 (ties to even, as torch). */
-static inline void store_row(__m512 left, __m512 right, struct panel_bias bias, uint16_t *y, __mmask32 mask) {
-    const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_add_ps(right, bias.right), _mm512_add_ps(left, bias.left));
-    _mm512_mask_storeu_epi16(y, mask, (__m512i)both);
-}
 
 /* AMX's tile shapes: tmm0-3 sums (`rows` x 16 float32), tmm4-5 x (`rows` x 32 bf16), tmm6-7 the
  * panel (16 k-pairs x 16 columns x 2). */
@@ -137,18 +116,20 @@ static void amx_rows(const uint16_t *x, int rows, int two_blocks, int prefetch, 
 static void panel_blocks(const uint16_t *x, int first, int end, int rows, int p,
                          const uint16_t *panels, const uint16_t *bias, uint16_t *y, int n, int k) {
     const int col = p * PANEL, cols = n - col < PANEL ? n - col : PANEL;
-    const __mmask32 mask = (__mmask32)(cols >= PANEL ? ~0u : (1u << cols) - 1u);
+    const __mmask32 mask = block_mask(cols);
     const struct panel_bias panel_bias = load_bias(bias == NULL ? NULL : bias + col, mask);
     for (int m = first; m < end; m += 2 * rows)
         amx_rows(x + (size_t)m * k, rows, m + 2 * rows <= end, m == first, k, panels + (size_t)p * k * PANEL,
                  panel_bias, y + (size_t)m * n + col, n, mask);
 }
 
-/* x [rows, k] bf16, panels [ceil(n / 32), k / 2, 32, 2], bias [n] or NULL, y [rows, n] bf16; k a
- * multiple of 32 (the AMX chunks; models/panels.py packs only such weights). 0, or -1 without AMX. */
+/* x [rows, k] bf16, panels [ceil(n / 32), k / 2, 32, 2] (`panel_cols` 32), bias [n] or NULL, y [rows, n]
+ * bf16; k a multiple of 32 (the AMX chunks; models/panels.py packs only such weights). 0; -1 without
+ * AMX, -2 for panels of another width. */
 int panel_linear_bf16(const uint16_t *x, const uint16_t *panels, const uint16_t *bias, uint16_t *y, int rows, int n,
-                      int k, int threads) {
+                      int k, int panel_cols, int threads) {
     if (!amx_permitted()) return -1;
+    if (panel_cols != PANEL) return -2;
     const int num_panels = (n + PANEL - 1) / PANEL;
     for (int first = 0; first < rows; first += BLOCK_ROWS) {
         const int last = rows - first < BLOCK_ROWS ? rows : first + BLOCK_ROWS;
@@ -179,8 +160,8 @@ int panel_linear_bf16(const uint16_t *x, const uint16_t *panels, const uint16_t 
 int panel_linear_bf16_available(void) { return 0; }
 
 int panel_linear_bf16(const uint16_t *x, const uint16_t *panels, const uint16_t *bias, uint16_t *y, int rows, int n,
-                      int k, int threads) {
-    (void)x, (void)panels, (void)bias, (void)y, (void)rows, (void)n, (void)k, (void)threads;
+                      int k, int panel_cols, int threads) {
+    (void)x, (void)panels, (void)bias, (void)y, (void)rows, (void)n, (void)k, (void)panel_cols, (void)threads;
     return -1;
 }
 #endif

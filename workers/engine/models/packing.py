@@ -6,8 +6,8 @@ runs them from a strided one (fp32, batch 1 to 32; measured in
 docs/benchmarks-engine.md), because the kernel then streams the weight in the
 order its registers consume it. Two packers serve: float32 weights go to our
 panel kernel where it is preferred (models/panels.py: faster than oneDNN on
-AVX2 CPUs), everything else to oneDNN's layout, which for bf16 on AMX CPUs
-our bf16 kernel reads too, for small steps. The results are the same
+AVX2 CPUs), everything else to oneDNN's layout, which for bf16 on AMX and
+AVX-512 BF16 CPUs our bf16 kernels read too, for small steps. The results are the same
 matmul up to fp32 rounding order. Packing is for inference only: the packed
 tensor is opaque, so nothing may load weights into a packed model afterwards.
 """
@@ -24,8 +24,8 @@ from disagg.workers.engine.models import grids, panels
 # Steps of at most this many rows (by grid and the model's dtype) read a weight on a
 # quantisation grid from its codes (models/grids.py); bigger ones are bound by arithmetic,
 # where the dtype's own path is faster. benchmarks/bench_grid_rows.py measures where: float32
-# against our panels, bf16 against oneDNN's bf16 linear on an AVX-512 BF16 CPU without AMX
-# (docs/benchmarks-engine.md, "Grid codes for bf16 models").
+# against our panels, bf16 against oneDNN's bf16 linear (docs/benchmarks-engine.md, "Grid codes
+# for bf16 models"); where our bf16 kernels serve, they are not used (PackedLinear).
 GRID_MAX_ROWS = {
     (grids.GridFormat.Q4_1, torch.float32): 8, (grids.GridFormat.Q8_0, torch.float32): 8,
     (grids.GridFormat.Q4_1, torch.bfloat16): 4, (grids.GridFormat.Q8_0, torch.bfloat16): 2,
@@ -80,7 +80,8 @@ class PackedLinear(nn.Module):
         if grid is None and grids.is_available():
             grid = grids.find_grid(weight)
         assert grid is None or (grid.codes.shape[0], grid.in_features) == tuple(weight.shape), "the weight's own codes"
-        # On AMX CPUs our bf16 kernel serves small steps (measured there); codes were not measured against it.
+        # Where our bf16 kernels serve small steps, they are as fast as the codes from 1 to 4 rows or
+        # faster (a model's weights in turn: 9.7 to 10.3 ms a step against 10.8 to 13.3 on a Zen 4).
         self.grid = None if self.onednn_panels is not None else grid
         # The codes' kernel sums in float32, and adds a float32 bias (the same tensor for a float32 model).
         self.register_buffer("grid_bias", None if bias is None or self.grid is None else bias.detach().float().contiguous(),
