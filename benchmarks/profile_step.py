@@ -40,7 +40,7 @@ from torch.profiler import ProfilerActivity, profile
 from disagg.workers.engine import cpu_attention
 from disagg.workers.engine.config import EngineConfig
 from disagg.workers.engine.llm_engine import LLMEngine
-from disagg.workers.engine.models import cpu_fused, cpu_norm, grids, panels
+from disagg.workers.engine.models import cpu_fused, cpu_norm, grids, packing, panels
 from disagg.workers.engine.sampling_params import SamplingParams
 
 # Ops by kind, by the names the profiler gives them; anything else is "elementwise and glue".
@@ -165,9 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     path = "the paged C kernel" if cpu_attention.is_available() else "the gather path"
     dtype = getattr(torch, args.dtype)
     path += f"; {args.dtype} projections: " + ("panel kernel" if panels.preferred(dtype) else "oneDNN")
-    # Codes serve small steps unless our bf16 kernel does (models/packing.py).
-    codes = grids.is_available() and not (dtype == torch.bfloat16 and panels.preferred(dtype))
-    path += ", from grid codes where weights sit on one" if codes else ""
+    path += ", from grid codes where weights sit on one" if packing.codes_may_serve(dtype) else ""
     print(f"command: {' '.join(sys.orig_argv)}")
     print(f"{args.model}, {args.dtype}, {torch.get_num_threads()} threads, decode attention: {path}; "
           f"load average {' / '.join(f'{x:.2f}' for x in os.getloadavg())}")

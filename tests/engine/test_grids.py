@@ -201,6 +201,23 @@ def test_a_bf16_projection_from_the_codes_keeps_the_exact_weights(fmt: GridForma
         assert (got.float() - exact).abs().mean() < (rounded_weights - exact).abs().mean()
 
 
+def checkpoint_on_grids(path: Path) -> list[tuple[str, torch.Tensor]]:
+    """The tiny model's tensors moved onto grids as a GGUF's arrive: Q8_0 embedding, Q4_1 decoder."""
+    return [(name, snap_to_grid(t, GridFormat.Q8_0 if "embed_tokens" in name else GridFormat.Q4_1)
+             if t.dim() == 2 else t) for name, t in read_safetensors(path)]
+
+
+@pytest.mark.skipif(not panels.preferred(torch.bfloat16), reason="no bf16 kernel of ours runs here")
+def test_a_bf16_model_does_not_look_for_codes_where_our_bf16_kernel_serves(tiny_model: Callable[..., Path]) -> None:
+    path = tiny_model("llama", tied=True)
+    config = ModelConfig.from_dir(path)
+    model = model_class(config.architecture).create(config, torch.bfloat16, CPU)
+    model.load_weights(checkpoint_on_grids(path))
+    assert model.source_grids == {}
+    model.pack_weights()
+    assert not any(m.grid for m in model.modules() if isinstance(m, PackedLinear))
+
+
 @needs_onednn_bf16
 def test_a_bf16_model_keeps_the_codes_of_its_float32_checkpoint(tiny_model: Callable[..., Path],
                                                                  bf16_by_onednn: None) -> None:
@@ -209,18 +226,11 @@ def test_a_bf16_model_keeps_the_codes_of_its_float32_checkpoint(tiny_model: Call
     and decodes with its blocks returned."""
     path = tiny_model("llama", tied=True)
     config = ModelConfig.from_dir(path)
-
-    def checkpoint(on_grid: bool) -> list[tuple[str, torch.Tensor]]:
-        if not on_grid:
-            return list(read_safetensors(path))
-        return [(name, snap_to_grid(t, GridFormat.Q8_0 if "embed_tokens" in name else GridFormat.Q4_1)
-                 if t.dim() == 2 else t) for name, t in read_safetensors(path)]
-
     plain = model_class(config.architecture).create(config, torch.bfloat16, CPU)
-    plain.load_weights(checkpoint(on_grid=False))
+    plain.load_weights(read_safetensors(path))
     assert plain.source_grids == {}
     model = model_class(config.architecture).create(config, torch.bfloat16, CPU)
-    model.load_weights(checkpoint(on_grid=True))
+    model.load_weights(checkpoint_on_grids(path))
     assert {"model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.mlp.gate_up_proj.weight",
             "model.embed_tokens.weight"} <= set(model.source_grids)
     engine = LLMEngine(EngineConfig(model=str(path), device="cpu", dtype="bfloat16", num_kv_blocks=32, block_size=4),

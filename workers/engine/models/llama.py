@@ -21,7 +21,7 @@ from disagg.workers.engine.forward_batch import ForwardBatch
 from disagg.workers.engine.model_config import ConfigTraits, ModelConfig
 from disagg.workers.engine.models import grids
 from disagg.workers.engine.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rope, input_major
-from disagg.workers.engine.models.packing import PackedLinear, pack_linear_weights
+from disagg.workers.engine.models.packing import PackedLinear, codes_may_serve, pack_linear_weights
 from disagg.workers.engine.models.registry import register
 
 
@@ -182,7 +182,7 @@ class LlamaForCausalLM(nn.Module):
             target.copy_(tensor)
             filled[target_name] += tensor.numel()
             if tensor.dtype == torch.float32 != target.dtype and tensor.dim() == 2 and target.device.type == "cpu" \
-                    and grids.is_available():
+                    and codes_may_serve(target.dtype):
                 found.offer(target_name, 0 if rows is None else rows[0], tensor)
         missing = [n for n, p in params.items() if filled[n] != p.numel()]
         if missing:

@@ -54,6 +54,12 @@ def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
     return (dtype == torch.float32 and panels.preferred()) or _onednn_works(dtype)
 
 
+def codes_may_serve(dtype: torch.dtype) -> bool:
+    """Whether small steps of a packed model in `dtype` may read a weight's grid codes here: not
+    where our bf16 kernels serve them (PackedLinear), so that a loader need not look for codes."""
+    return grids.is_available() and not (dtype == torch.bfloat16 and panels.preferred(dtype))
+
+
 class PackedLinear(nn.Module):
     """y = x @ weight.T + bias, with the weight held in panels (float32, where
     panels.preferred()) or in oneDNN's blocked layout (which our bf16 kernel
