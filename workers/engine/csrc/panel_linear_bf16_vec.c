@@ -10,11 +10,11 @@
  * one row's pair of x broadcast against it adds 16 columns' two products.
  *
  * Small steps are bound by streaming the weights. oneDNN's linear streamed
- * them at 11 to 16 GB/s from 1 to 16 rows on a 2-core Zen 4 whose memory
+ * them at 11 to 20 GB/s from 1 to 16 rows on a 2-core Zen 4 whose memory
  * gives 24 GB/s to a plain read of the same bytes; reading each panel's rows
- * whole, in memory order, this kernel runs at 20 to 26 GB/s there (1.35x to
- * 1.76x), and at 1.0x to 1.2x from 24 to 2048 rows, where both are bound by
- * the vectors' arithmetic (benchmarks/bench_linear.py, docs/benchmarks-engine.md).
+ * whole, in memory order, this kernel runs at 16 to 26 GB/s there (1.27x to
+ * 1.76x), and at 1.0x to 1.2x from 24 to 2048 rows, where both become bound
+ * by the vectors' arithmetic (benchmarks/bench_linear.py, docs/benchmarks-engine.md).
  * A pass over half a panel (every other 128 bytes of its rows) streamed at
  * 16 GB/s.
  *

@@ -86,8 +86,8 @@ class PackedLinear(nn.Module):
         if grid is None and grids.is_available():
             grid = grids.find_grid(weight)
         assert grid is None or (grid.codes.shape[0], grid.in_features) == tuple(weight.shape), "the weight's own codes"
-        # Where our bf16 kernels serve small steps, they are as fast as the codes from 1 to 4 rows or
-        # faster (a model's weights in turn: 9.7 to 10.3 ms a step against 10.8 to 13.3 on a Zen 4).
+        # Where our bf16 kernels serve small steps, they beat the codes too (decode steps of 1 to 4
+        # rows on a Zen 4: 9.3-10.3 ms of projections against 10.9-14.4; docs/benchmarks-engine.md).
         self.grid = None if self.onednn_panels is not None else grid
         # The codes' kernel sums in float32, and adds a float32 bias (the same tensor for a float32 model).
         self.register_buffer("grid_bias", None if bias is None or self.grid is None else bias.detach().float().contiguous(),

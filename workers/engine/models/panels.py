@@ -20,8 +20,8 @@ the memory's speed:
 - AMX (where Linux lends it): 1.4x to 2.1x faster than oneDNN's linear from 1
   to 32 rows, 1.0x to 1.6x at 64 and 128 (but for the output projection);
   from 256 rows oneDNN is up to 1.25x faster;
-- VDPBF16PS vectors, without AMX: 1.35x to 1.76x from 1 to 16 rows on a
-  Zen 4, 1.1x to 1.2x at 24 to 128.
+- VDPBF16PS vectors, without AMX: 1.27x to 1.76x from 1 to 16 rows on a
+  Zen 4, 1.07x to 1.2x at 24 to 128.
 Larger steps (a prefill's) stay with oneDNN (docs/benchmarks-engine.md). One
 copy serves both: `onednn_panels` checks, for each weight, that oneDNN's
 bytes are exactly `pack`'s for a width our kernel reads, and else leaves the
