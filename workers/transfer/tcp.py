@@ -16,6 +16,7 @@ import select
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -55,6 +56,10 @@ logger = logging.getLogger(__name__)
 
 SOCKET_BUFFER_BYTES = 4 << 20
 _IDLE_POLL_S = 0.5  # how often an idle reader looks at the closed flag
+# After telling a peer why it is cut off, its further bytes are read and dropped before the socket
+# closes (see _close_after_telling): until it has been quiet this long, for at most the linger.
+_TELLING_QUIET_S = 0.25
+_TELLING_LINGER_S = 2.0
 # Answers (ACK, ERROR, DATA) the reader may have queued for the sender at once. Our own peers
 # keep a few per request in flight; a peer that asks far faster than it reads its answers
 # (a flood of READs) is cut off here instead of growing the queue without end.
@@ -236,7 +241,7 @@ class _Connection:
             reason = f"protocol error: {exc}"
             logger.warning("bad frame from %s: %s", self.peer.name, reason)
             self._jobs.put(self._control(Kind.ERROR, 0, reason))
-            self._jobs.put(lambda: self.close(reason))
+            self._jobs.put(lambda: self._close_after_telling(reason))
         except (OSError, ConnectionError, ValueError) as exc:
             self.close(f"connection to {self.peer.name} lost: {exc}")
 
@@ -317,6 +322,22 @@ class _Connection:
                 answered.part_done(error)
 
     # ---- shutdown ------------------------------------------------------------
+
+    def _close_after_telling(self, reason: str) -> None:
+        """Close once the ERROR frame queued before this is on its way: its FIN follows it, and what
+        the peer sent meanwhile is read and dropped until it goes quiet, for at most
+        _TELLING_LINGER_S. Closed with unread bytes, the socket would answer with a reset, which can
+        discard the ERROR frame before the peer reads it (seen in CI)."""
+        deadline = time.monotonic() + _TELLING_LINGER_S
+        try:
+            self.sock.shutdown(socket.SHUT_WR)
+            while (left := deadline - time.monotonic()) > 0:
+                readable, _, _ = select.select([self.sock], [], [], min(left, _TELLING_QUIET_S))
+                if not readable or not self.sock.recv(1 << 16):
+                    break
+        except OSError:
+            pass  # gone already: close() below is all that is left
+        self.close(reason)
 
     def close(self, reason: str) -> None:
         """Fail what is pending with `reason` and shut the socket. Idempotent."""
