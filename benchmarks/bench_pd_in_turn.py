@@ -16,7 +16,7 @@ Prints, per turn and then as medians over the turns of each server: output
 tokens per second, the median TTFT and TPOT (first to last token over the
 tokens after the first), and the CPU time each worker process spent per output
 token (user + system, from /proc; the PD pair's as decode + prefill); then the
-ratios PD / mixed.
+ratios PD / mixed, and the throughput ratio of each pair of neighbouring turns.
 """
 
 from __future__ import annotations
@@ -158,6 +158,11 @@ def main() -> int:
     print(f"  PD / mixed: tok/s {pd_turn.tokens_per_s / mixed_turn.tokens_per_s:.2f}x, "
           f"TTFT {pd_turn.ttft_s / mixed_turn.ttft_s:.2f}x, TPOT {pd_turn.tpot_s / mixed_turn.tpot_s:.2f}x, "
           f"CPU per token {sum(pd_turn.cpu_per_token_s) / sum(mixed_turn.cpu_per_token_s):.2f}x")
+    # Turn i of each server ran next to the other's (ABBA): their ratio shares the machine's moment,
+    # so the spread of these ratios says how far the median ratio can be trusted.
+    ratios = [pd.tokens_per_s / mixed.tokens_per_s for mixed, pd in zip(turns["mixed"], turns["PD"])]
+    print("  PD / mixed tok/s, turn by turn: " + " ".join(f"{r:.2f}x" for r in ratios)
+          + f" (from {min(ratios):.2f}x to {max(ratios):.2f}x)")
     return 0
 
 
