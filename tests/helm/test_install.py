@@ -222,8 +222,12 @@ def test_operator_as_the_chart_account_creates_pods_and_writes_status(
     assert s["prefillReady"] == "0/1" and s["decodeReady"] == "0/1"
     # The per-role DisaggRoles, made and given their status under the same RBAC.
     roles = f"/apis/{crd.GROUP}/{crd.VERSION}/namespaces/{namespace}/{crd.ROLE_PLURAL}"
-    children = wait_until(lambda: [c for c in kube.get(roles)["items"] if c.get("status")] or None, WAIT_S,
-                          "the DisaggRoles with their status")
+
+    def with_status() -> list[dict[str, Any]] | None:  # both: the operator writes one role's status, then the other's
+        children = [c for c in kube.get(roles)["items"] if c.get("status")]
+        return children if len(children) == 2 else None
+
+    children = wait_until(with_status, WAIT_S, "both DisaggRoles with their status")
     assert sorted(c["metadata"]["name"] for c in children) == ["llm-decode", "llm-prefill"]
     assert kube.get(f"/api/v1/namespaces/{namespace}/services/llm")["spec"]["selector"][m.ROLE_LABEL] == "prefill"
     # The endpoints the chart's probes and metrics Service point at answer.
