@@ -15,6 +15,7 @@ import torch
 
 from disagg.workers.transfer import KVLayout, LinkRefusedError, TransferError, TransferTimeout, create_transport
 from disagg.workers.transfer.link import LinkedTransport
+from disagg.workers.transfer.tcp import drop_until_quiet
 
 WAIT_S = 30.0
 Peer = Any  # conftest.Peer: a peer process (conftest is not importable under importlib mode)
@@ -177,3 +178,19 @@ def test_connect_to_a_silent_server_times_out(layout: KVLayout) -> None:
     finally:
         transport.close()
         silent.close()
+
+
+
+def test_dropping_a_cut_off_peers_bytes_ends_quietly_on_a_socket_closed_by_another_thread() -> None:
+    """A session closing while its sender lingers after an ERROR frame closes the socket under
+    it. The linger then ends there: select refused the closed socket's fd (-1) with ValueError,
+    which killed the sender thread with a traceback in CI."""
+    ours, peer = socket.socketpair()
+    peer.send(b"x" * 1024)  # unread: a linger on an open socket would read it
+    ours.close()  # as a session's close() does on another thread, mid-linger
+    began = time.monotonic()
+    try:
+        drop_until_quiet(ours, began + 10.0)
+    finally:
+        peer.close()
+    assert time.monotonic() - began < 5.0

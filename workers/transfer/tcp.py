@@ -99,6 +99,20 @@ class PayloadIO(Protocol):
         """Consume the payload of a refused frame without storing it, keeping the link in step."""
 
 
+def drop_until_quiet(sock: socket.socket, deadline: float) -> None:
+    """Read and drop what the peer sends until it is quiet for _TELLING_QUIET_S, it closes, or
+    `deadline` (monotonic) passes. Returns as soon as the socket is closed, also when another
+    thread closes it meanwhile (a session closing: select refuses the closed socket's fd, -1,
+    with ValueError)."""
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            readable, _, _ = select.select([sock], [], [], min(left, _TELLING_QUIET_S))
+            if not readable or not sock.recv(1 << 16):
+                return
+    except (OSError, ValueError):
+        return
+
+
 class _Connection:
     """One socket of a session, with its reader and sender threads."""
 
@@ -331,12 +345,10 @@ class _Connection:
         deadline = time.monotonic() + _TELLING_LINGER_S
         try:
             self.sock.shutdown(socket.SHUT_WR)
-            while (left := deadline - time.monotonic()) > 0:
-                readable, _, _ = select.select([self.sock], [], [], min(left, _TELLING_QUIET_S))
-                if not readable or not self.sock.recv(1 << 16):
-                    break
         except OSError:
             pass  # gone already: close() below is all that is left
+        else:
+            drop_until_quiet(self.sock, deadline)
         self.close(reason)
 
     def close(self, reason: str) -> None:
