@@ -180,7 +180,6 @@ def test_connect_to_a_silent_server_times_out(layout: KVLayout) -> None:
         silent.close()
 
 
-
 def test_dropping_a_cut_off_peers_bytes_ends_quietly_on_a_socket_closed_by_another_thread() -> None:
     """A session closing while its sender lingers after an ERROR frame closes the socket under
     it. The linger then ends there: select refused the closed socket's fd (-1) with ValueError,

@@ -342,13 +342,12 @@ class _Connection:
         the peer sent meanwhile is read and dropped until it goes quiet, for at most
         _TELLING_LINGER_S. Closed with unread bytes, the socket would answer with a reset, which can
         discard the ERROR frame before the peer reads it (seen in CI)."""
-        deadline = time.monotonic() + _TELLING_LINGER_S
         try:
             self.sock.shutdown(socket.SHUT_WR)
         except OSError:
             pass  # gone already: close() below is all that is left
         else:
-            drop_until_quiet(self.sock, deadline)
+            drop_until_quiet(self.sock, time.monotonic() + _TELLING_LINGER_S)
         self.close(reason)
 
     def close(self, reason: str) -> None:
