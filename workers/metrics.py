@@ -22,6 +22,9 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from disagg.proto.vocabulary import Role
+from disagg.workers.pd.decision import Path
+
 if TYPE_CHECKING:
     from disagg.workers.engine.async_engine import EngineStats
 
@@ -145,6 +148,9 @@ class WorkerMetrics:
             self.requests.labels(role=role, status=status)
         for path in AUTH_PATHS:
             self.auth_failures.labels(path=path)
+        if role == Role.PREFILL:  # only a prefill chooses
+            for decision in Path:
+                self.pd_decisions.labels(decision=decision.value)
 
     def count_pd_decision(self, decision: str, reason: str) -> None:
         self.pd_decisions.labels(decision=decision).inc()

@@ -26,7 +26,7 @@ async def test_alive_but_not_ready(client: httpx.AsyncClient) -> None:
         chat = await client.post("/v1/chat/completions", json=body)
         assert chat.status_code == 503
         assert chat.json()["error"]["type"] == "service_unavailable"
-        assert (await client.get("/v1/models")).status_code == 503
+        assert (await client.get("/v1/models")).status_code == 503  # loading: nothing to list yet
 
 
 async def test_metrics_served_while_loading(client: httpx.AsyncClient) -> None:

@@ -51,6 +51,17 @@ def test_auto_weighs_the_measured_hand_off_against_the_prompt_it_would_move() ->
     assert slow.choose(400, 0, decode_has_room=True) == (Path.LOCAL, "handoff_costlier")
 
 
+def test_a_prefill_shows_each_decision_from_the_start_and_other_roles_none() -> None:
+    from disagg.workers.metrics import WorkerMetrics
+
+    def shown(role: str) -> dict[str, float]:
+        return {s.labels["decision"]: s.value for m in WorkerMetrics(role).registry.collect()
+                if m.name == "disagg_pd_decision" for s in m.samples if s.name.endswith("_total")}
+
+    assert shown("prefill") == {"handoff": 0.0, "local": 0.0}
+    assert shown("decode") == shown("mixed") == {}
+
+
 def test_bad_policies_are_refused() -> None:
     for kwargs in ({"local_max_tokens": -1}, {"local_max_running": 0}):
         with pytest.raises(ValueError):

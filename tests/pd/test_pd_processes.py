@@ -202,6 +202,9 @@ def test_a_prefill_with_no_decode_answers_503(lone_prefill: WorkerProcess) -> No
         complete(lone_prefill, prompt_of(5))
     assert info.value.status_code == 503
     assert "no decode" in str(info.value)
+    # What it serves is known before it is linked, as a router discovering models asks.
+    [listed] = client_of(lone_prefill).models.list().data
+    assert client_of(lone_prefill).models.retrieve(listed.id).id == listed.id
 
 
 def test_a_prompt_no_decode_can_hold_is_a_413_that_counts_no_tokens(processes: Any) -> None:

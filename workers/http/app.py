@@ -90,11 +90,15 @@ class AppState:
             in_flight = stats.requests_running + stats.requests_waiting
         return {"draining": self.draining, "in_flight": in_flight}
 
-    def require_ready(self) -> Health:
-        """The role, if it can take requests now; else a 503."""
+    def require_loaded(self) -> Health:
+        """The role, once its model is loaded (linked or not, draining or not); else a 503."""
         if self.health is None:
             raise NotReady(self.not_ready_reason)
-        ready, reason = self.health.ready()
+        return self.health
+
+    def require_ready(self) -> Health:
+        """The role, if it can take requests now; else a 503."""
+        ready, reason = self.require_loaded().ready()
         if not ready:
             raise NotReady(reason)
         return self.health
@@ -136,13 +140,15 @@ def build_app(state: AppState, client_api: bool = True, api_key: str | None = No
 
     _add_metrics_route(app, state)
 
+    # What is served is known once the model is loaded: a client or router may ask before the
+    # worker is ready (a prefill not linked yet, a draining worker), as it may ask vLLM.
     @app.get("/v1/models", dependencies=auth)
     async def models() -> ModelList:
-        return ModelList(data=[_model_card(state.require_ready().model)])
+        return ModelList(data=[_model_card(state.require_loaded().model)])
 
     @app.get("/v1/models/{model_id:path}", dependencies=auth)
     async def model(model_id: str) -> ModelCard:
-        info = state.require_ready().model
+        info = state.require_loaded().model
         if model_id != info.name:
             raise NoSuchModel(model_id)
         return _model_card(info)
