@@ -116,8 +116,8 @@ def _assert_openai_error(response: httpx.Response, words: str) -> dict[str, Any]
     error = response.json()["error"]
     assert set(error) >= {"message", "type", "code"}
     assert isinstance(error["message"], str) and error["message"]
-    # OpenAI's code: the status, or the name it gives the error (an unknown model's).
-    assert error["code"] in (response.status_code, "model_not_found")
+    # OpenAI's code: the status, or the name it gives the error (an unknown model, a prompt past the context).
+    assert error["code"] in (response.status_code, "model_not_found", "context_length_exceeded")
     assert words.lower() in error["message"].lower(), error["message"]
     return error
 
@@ -162,6 +162,19 @@ def test_unknown_model_is_404(http: httpx.Client) -> None:
     error = _assert_openai_error(response, "nope")
     # OpenAI's shape, as GET /v1/models/{id} answers it.
     assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", "model_not_found", "model")
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    (COMPLETIONS, _completion(prompt=LONG_TEXT), "prompt"),
+    (CHAT, _chat(messages=[{"role": "user", "content": LONG_TEXT}]), "messages"),
+    (CHAT, _chat(max_tokens=None, max_completion_tokens=100000), "max_completion_tokens"),
+], ids=["prompt", "messages", "max-completion-tokens"])
+def test_past_the_context_is_openais_context_length_exceeded(http: httpx.Client, path: str, body: dict[str, Any],
+                                                             param: str) -> None:
+    """The code and opening words OpenAI and vLLM use, which clients match to trim a history."""
+    error = _assert_openai_error(http.post(path, json=body), "the prompt has")
+    assert (error["code"], error["param"]) == ("context_length_exceeded", param), error
+    assert error["message"].startswith("This model's maximum context length is 512 tokens. However, "), error
 
 
 def test_unknown_route_is_an_openai_404(http: httpx.Client) -> None:

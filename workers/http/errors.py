@@ -40,6 +40,16 @@ class BadRequest(APIError):
         super().__init__(message, 400, "invalid_request_error", param)
 
 
+class ContextLengthExceeded(APIError):
+    """A prompt (and the tokens asked for) past the model's context: OpenAI's code, and the opening words
+    OpenAI and vLLM both use, which clients (LiteLLM's ContextWindowExceededError) match to trim a history."""
+
+    def __init__(self, context: int, prompt_tokens: int, detail: str, param: str) -> None:
+        super().__init__(f"This model's maximum context length is {context} tokens. However, the prompt has "
+                         f"{prompt_tokens} tokens; {detail}", 400, "invalid_request_error", param,
+                         code="context_length_exceeded")
+
+
 class ModelNotFound(APIError):
     """A request for another model: OpenAI's shape, as NoSuchModel's."""
 

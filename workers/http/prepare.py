@@ -14,7 +14,7 @@ from jinja2 import TemplateError
 from disagg.workers.engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 from disagg.workers.engine.tokenizer import Tokenizer
 from disagg.workers.http.backend import ModelInfo
-from disagg.workers.http.errors import BadRequest, ModelNotFound
+from disagg.workers.http.errors import BadRequest, ContextLengthExceeded, ModelNotFound
 from disagg.workers.http.fields import check_extra_fields, check_message_fields
 from disagg.workers.http.protocol import CHAT_ROLES, ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
 from disagg.workers.http.structured import Constraint, structured_output
@@ -214,17 +214,16 @@ def _sampling_params(
         raise BadRequest("stream_options is only allowed when stream is true", "stream_options")
     room = model.max_model_len - len(prompt_ids)
     if room < 1:
-        raise BadRequest(
-            f"the prompt has {len(prompt_ids)} tokens, which leaves no room to generate in this "
-            f"model's context of {model.max_model_len} tokens; shorten the prompt",
-            "prompt" if isinstance(req, CompletionRequest) else "messages",
-        )
+        raise ContextLengthExceeded(model.max_model_len, len(prompt_ids),
+                                    "that leaves no room to generate. Please shorten the prompt.",
+                                    "prompt" if isinstance(req, CompletionRequest) else "messages")
     if max_tokens is None:
         max_tokens = room  # OpenAI's chat default: as long as the context allows
     elif max_tokens > room:
         field = sent.get("max_tokens", "max_tokens")
-        raise BadRequest(f"{field} is {max_tokens}, but the prompt has {len(prompt_ids)} tokens and the context "
-                         f"is {model.max_model_len}: at most {room} tokens can be generated", field)
+        raise ContextLengthExceeded(model.max_model_len, len(prompt_ids),
+                                    f"{field} is {max_tokens}, and at most {room} tokens can be generated. Please "
+                                    f"reduce the prompt or {field}.", field)
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     check_token_ids(req.stop_token_ids or (), model, "stop_token_ids")
     if req.prompt_logprobs is not None and req.stream and isinstance(req, ChatCompletionRequest):
