@@ -140,3 +140,17 @@ def test_the_parser_reads_calls_keeps_the_rest_as_text() -> None:
     assert content == f"Sure, adding.\n{PING_CALL}\n" and len(calls) == 1  # text keeps its own whitespace
     assert parse_output(_plan(), SPLIT_CASES[4]) == (SPLIT_CASES[4], [])  # no call: the text as written
     assert parse_output(_plan(), f" {ADD_CALL} ")[0] is None  # only calls: no content
+
+
+def test_a_call_cut_short_carries_its_arguments_as_written_and_never_the_blocks_markup() -> None:
+    """Cut by max_tokens anywhere in an enforced block: the arguments so far (a prefix of the
+    JSON written), and once they are whole, exactly them, not the closing brace or tag after them."""
+    plan = _plan(tool_choice="required")
+    written = '{"a":1,"b":2}'
+    for cut in range(ADD_CALL.index(written) + 1, len(ADD_CALL)):
+        _, [call] = parse_output(plan, ADD_CALL[:cut])
+        arguments = call.function.arguments
+        assert call.function.name == "add" and written.startswith(arguments), (cut, arguments)
+        if cut >= ADD_CALL.index(written) + len(written):
+            assert arguments == written, (cut, arguments)
+

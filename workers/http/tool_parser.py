@@ -13,6 +13,7 @@ from disagg.workers.http.tools import CALL_CLOSE, CALL_OPEN, ToolPlan
 
 # The start of an enforced block's body: the function's name, whole when its closing quote came.
 _CUT_NAME = re.compile(r'\s*\{"name":"([A-Za-z0-9_-]*)(")?')
+_DECODER = json.JSONDecoder()
 
 
 class ToolCallParser:
@@ -123,7 +124,12 @@ class ToolCallParser:
         names = [n for n in self._names if n == name or (not closed and n.startswith(name))]
         if len(names) != 1:
             return None
-        return _new_call(names[0], body.partition('"arguments":')[2])
+        written = body.partition('"arguments":')[2].lstrip()
+        try:
+            _, end = _DECODER.raw_decode(written)
+        except ValueError:  # cut inside the arguments
+            return _new_call(names[0], written)
+        return _new_call(names[0], written[:end])  # whole: what follows is the block's own markup
 
 
 def _new_call(name: str, arguments: str) -> ToolCall:
