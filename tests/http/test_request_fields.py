@@ -123,6 +123,17 @@ def test_message_fields_null_is_accepted_and_a_value_refused(http: httpx.Client)
     replayed = [*MESSAGES, {"role": "assistant", "content": "Hi", "refusal": None, "audio": None},
                 {"role": "user", "content": "again"}]
     assert http.post(CHAT, json=_body(CHAT, messages=replayed)).status_code == 200
+    # A prompt-caching mark on a message, as on a content part, and an assistant's refusal part.
+    hinted = [{"role": "system", "content": "Be brief.", "cache_control": {"type": "ephemeral"}},
+              {"role": "user", "content": [{"type": "text", "text": "Hello", "cache_control": {"type": "ephemeral"}}]},
+              {"role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot."}]},
+              {"role": "user", "content": "again"}]
+    assert http.post(CHAT, json=_body(CHAT, messages=hinted)).status_code == 200
+    refused_by_user = [{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}]
+    response = http.post(CHAT, json=_body(CHAT, messages=refused_by_user))
+    assert response.status_code == 400 and "'refusal'" in response.json()["error"]["message"]
+    response = http.post(CHAT, json=_body(CHAT, messages=[{"role": "user", "content": [{"type": "text"}]}]))
+    assert response.status_code == 400 and "needs its 'text' string" in response.json()["error"]["message"]
     bad = [{"role": "user", "content": "Hello", "audio": {"id": "a1"}}]
     response = http.post(CHAT, json=_body(CHAT, messages=bad))
     assert response.status_code == 400 and "messages[0].audio" in response.json()["error"]["message"]

@@ -132,7 +132,9 @@ def test_function_calls_and_their_outputs_go_back_in_as_items(client: openai.Ope
     arguments = '{"city": "Paris", "days": 1}'
     r = client.responses.create(model=served.model, tools=[TOOL], max_output_tokens=8, temperature=0, input=[
         {"role": "user", "content": "Weather in Paris?"},
-        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": arguments},
+        # As a history of the client's model_dump() replays it: with the item's null fields.
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": arguments,
+         "id": "fc_1", "status": "completed", "namespace": None, "caller": None, "async": None},
         {"type": "function_call_output", "call_id": "call_1", "output": "sunny, 21 C"},
     ])
     chat = _chat(client, served.model, [
@@ -168,6 +170,8 @@ def test_a_json_schema_format_constrains_the_text(client: openai.OpenAI, served:
      "input[0].content[0]"),
     ({"input": [{"role": "robot", "content": "hi"}]}, "input", "input[0].role"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input", "input[0].arguments"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}", "namespace": "ns"}]},
+     "input", "input[0].namespace"),
     ({"tools": [{"type": "web_search"}]}, "tools", "tools[0]"),
     ({"tools": [{"type": "function", "name": "f", "parameterz": {}}]}, "tools", "tools[0].parameterz"),
     ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice",

@@ -123,10 +123,18 @@ MESSAGE_OUTPUT_FIELDS: dict[str, str] = {
 }
 
 
+# Hints a message may carry on any role, which ask for nothing this server does not do already.
+MESSAGE_HINT_FIELDS: dict[str, str] = {
+    # Anthropic's prompt-caching mark, which LiteLLM, Cline and Roo send on messages and on content
+    # parts: the prefix cache keeps every prompt's blocks without being asked.
+    "cache_control": "a prompt-caching hint; the prefix cache is automatic",
+}
+
+
 def check_message_fields(index: int, role: str, extra: Mapping[str, Any] | None) -> None:
-    """A chat message's undeclared fields: null ones, and an assistant message's
-    output-only fields (replayed with it), ask for nothing; any other is refused."""
+    """A chat message's undeclared fields: null ones, hints (MESSAGE_HINT_FIELDS) and an
+    assistant message's output-only fields (replayed with it) ask for nothing; any other is refused."""
     for name, value in (extra or {}).items():
         replayed = role == "assistant" and name in MESSAGE_OUTPUT_FIELDS
-        if not replayed and value is not None:
+        if not replayed and name not in MESSAGE_HINT_FIELDS and value is not None:
             raise BadRequest(f"messages[{index}].{name} is not supported", "messages")

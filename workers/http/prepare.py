@@ -174,9 +174,15 @@ def _message_text(message: ChatMessage) -> str:
         return content
     texts = []
     for part in content:
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise BadRequest(f"only text content parts are supported, got {part.get('type')!r}", "messages")
-        texts.append(part["text"])
+        kind = part.get("type")
+        # A replayed assistant message may hold OpenAI's refusal part: what it said, as text.
+        if kind != "text" and not (kind == "refusal" and message.role == "assistant"):
+            raise BadRequest(f"only text content parts (and an assistant's refusal parts) are supported, "
+                             f"got {kind!r}", "messages")
+        text = part.get(kind)
+        if not isinstance(text, str):
+            raise BadRequest(f"a {kind} content part needs its {kind!r} string", "messages")
+        texts.append(text)
     return "".join(texts)
 
 

@@ -80,6 +80,11 @@ class FunctionCallInput(_InputItem):
     call_id: str
     name: str
     arguments: str  # a JSON object, as text
+    # Fields the openai client's own output item has, null on every call this server makes: a
+    # history kept as model_dump() dicts replays them. A value (another server's) is refused.
+    namespace: None = None
+    caller: None = None
+    async_: None = Field(None, alias="async")
 
 
 class FunctionCallOutputInput(_InputItem):
