@@ -177,6 +177,12 @@ def test_past_the_context_is_openais_context_length_exceeded(http: httpx.Client,
     assert error["message"].startswith("This model's maximum context length is 512 tokens. However, "), error
 
 
+def test_a_bad_max_tokens_is_named_alone(http: httpx.Client) -> None:
+    """Not also min_tokens, which the client never sent (its default was checked against the bad value)."""
+    error = _assert_openai_error(http.post(COMPLETIONS, json=_completion(max_tokens=-3)), "max_tokens")
+    assert "min_tokens" not in error["message"], error
+
+
 def test_unknown_route_is_an_openai_404(http: httpx.Client) -> None:
     _assert_openai_error(http.get("/v1/nothing-here"), "not found")
 

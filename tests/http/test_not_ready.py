@@ -19,6 +19,7 @@ async def client() -> httpx.AsyncClient:
 async def test_alive_but_not_ready(client: httpx.AsyncClient) -> None:
     async with client:
         assert (await client.get("/health")).status_code == 200
+        assert [(await client.head(path)).status_code for path in ("/health", "/ready")] == [200, 503]
         ready = await client.get("/ready")
         assert ready.status_code == 503
         assert "loading" in ready.json()["error"]["message"]

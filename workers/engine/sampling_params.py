@@ -93,7 +93,8 @@ class SamplingParams:
         if bad_bias:
             out.append(f"logit_bias must map token ids in [0, {MAX_TOKEN_ID}] to numbers between "
                        f"{-MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}, got {bad_bias[:5]}")
-        if not 0 <= self.min_tokens <= self.max_tokens:
+        # A max_tokens under 1 is named above; min_tokens is checked against a valid one only.
+        if not 0 <= self.min_tokens <= max(self.max_tokens, 1):
             out.append(f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens}")
         return out
 

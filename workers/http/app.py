@@ -123,7 +123,8 @@ def build_app(state: AppState, client_api: bool = True, api_key: str | None = No
     tracing.instrument(app, ("/v1/completions", "/v1/chat/completions", "/v1/responses"))
     auth = [Depends(bearer_check(api_key, lambda: state.metrics.count_auth_failure("api-key")))] if api_key else []
 
-    @app.get("/health")
+    # HEAD too: load balancers' health checks (AWS ALB, HAProxy's option httpchk) may send it.
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> dict[str, str | bool]:
         # `loaded`: the model is loaded and the role's servers are up (a prefill
         # is ready only once linked too, so launchers wait on this to link).
@@ -133,7 +134,7 @@ def build_app(state: AppState, client_api: bool = True, api_key: str | None = No
             answer["cluster_key"] = state.cluster_key.fingerprint()
         return answer
 
-    @app.get("/ready")
+    @app.api_route("/ready", methods=["GET", "HEAD"])
     async def ready() -> dict[str, str]:
         state.require_ready()
         return {"status": "ready"}
