@@ -98,10 +98,11 @@ class AppState:
 
     def require_ready(self) -> Health:
         """The role, if it can take requests now; else a 503."""
-        ready, reason = self.require_loaded().ready()
+        health = self.require_loaded()
+        ready, reason = health.ready()
         if not ready:
             raise NotReady(reason)
-        return self.health
+        return health
 
     def require_serving(self) -> OpenAIServing:
         """The OpenAI serving, if it can take requests now; else a 503 (a 404 for a role without one)."""
