@@ -413,7 +413,8 @@ class ClusterController:
 
     async def _drain_and_delete(self, body: kopf.Body, pod: PodView, since: float, spec: ClusterSpec) -> None:
         outcome = await drain(pod.endpoint, self.deps.http, deadline=since + spec.drain_timeout_s,
-                              grace_s=self.deps.settings.drain_grace_s, poll_s=self.deps.settings.metrics_poll_s)
+                              grace_s=self.deps.settings.drain_grace_s, poll_s=self.deps.settings.metrics_poll_s,
+                              key=self.key)
         # Peers as the latest pass saw them (a peer may have come or gone during the wait).
         assert self.latest is not None, "a drain starts after its pass took a snapshot"
         peers = [v.endpoint for v in self.latest.views

@@ -5,7 +5,8 @@ Before a drain starts the reconcile has taken the pod out of routing
 
 1. waits `grace_s`, so that load balancers and clients that read the
    endpoints a moment ago stop sending (the pod still serves meanwhile);
-2. calls the worker's `POST /drain` on its admin port: a draining prefill answers new client
+2. calls the worker's `POST /drain` on its admin port, signed with the cluster key as the
+   link calls are: a draining prefill answers new client
    requests and /ready with 503, a draining decode answers AddNewRequests
    with 404 (prefills pick another decode); requests in flight go on;
 3. polls the worker's /metrics (the admin port serves them too) until running plus waiting requests reach 0,
@@ -28,6 +29,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from disagg.operator.links import Endpoint
 from disagg.operator.manifests import ADMIN_PORT, HTTP_PORT
+from disagg.workers.security.control import http_credential_headers
+from disagg.workers.security.key import ClusterKey
 
 IN_FLIGHT_METRICS = ("disagg_requests_running", "disagg_requests_waiting")
 
@@ -48,10 +51,11 @@ async def in_flight(http: httpx.AsyncClient, ip: str, port: int = HTTP_PORT) -> 
     return total
 
 
-async def stop_new_work(http: httpx.AsyncClient, ip: str, port: int = ADMIN_PORT) -> bool:
-    """`POST /drain` on the worker (idempotent); False when it did not take it."""
+async def stop_new_work(http: httpx.AsyncClient, ip: str, port: int = ADMIN_PORT, key: ClusterKey | None = None) -> bool:
+    """`POST /drain` on the worker (idempotent), signed with `key` (None: the workers run
+    --insecure); False when it did not take it."""
     try:
-        response = await http.post(f"http://{ip}:{port}/drain")
+        response = await http.post(f"http://{ip}:{port}/drain", headers=http_credential_headers(key, "/drain"))
         response.raise_for_status()
     except httpx.HTTPError as e:
         log.warning("POST /drain on %s failed (%s); waiting for its requests anyway", ip, e)
@@ -67,11 +71,12 @@ class DrainOutcome:
 
 
 async def drain(pod: Endpoint, http: httpx.AsyncClient, deadline: float, grace_s: float,
-                poll_s: float, port: int = ADMIN_PORT) -> DrainOutcome:
-    """Steps 1-3 above for `pod` (its admin port `port`); `deadline` is wall-clock (epoch seconds)."""
+                poll_s: float, port: int = ADMIN_PORT, key: ClusterKey | None = None) -> DrainOutcome:
+    """Steps 1-3 above for `pod` (its admin port `port`; `POST /drain` signed with `key`);
+    `deadline` is wall-clock (epoch seconds)."""
     began = time.monotonic()
     await asyncio.sleep(max(0.0, min(grace_s, deadline - time.time())))
-    stopped = await stop_new_work(http, pod.ip, port)
+    stopped = await stop_new_work(http, pod.ip, port, key)
     while True:
         count = await in_flight(http, pod.ip, port)
         # An unreadable worker is gone or broken: nothing more will finish there.

@@ -80,6 +80,14 @@ class WorkerProcess:
         """/drain and the HTTP link routes."""
         return f"http://{self.host}:{self.admin_port}"
 
+    def set_draining(self, draining: bool, timeout_s: float = 10.0) -> httpx.Response:
+        """`POST /drain` (or `DELETE /drain` to end it) on its admin port, signed with its key."""
+        from disagg.workers.security.control import http_credential_headers
+
+        verb = "POST" if draining else "DELETE"
+        return httpx.request(verb, f"{self.admin_url}/drain", timeout=timeout_s,
+                             headers=http_credential_headers(self.cluster_key, "/drain", verb))
+
     @property
     def instance_name(self) -> str:
         """`<ip>:<grpc port>`: its DisaggPDService, and its name in links."""

@@ -45,7 +45,7 @@ class RequestOutcome:
     ERROR = "error"  # the server failed it
 
 
-AUTH_PATHS = ("grpc", "http-link", "transfer", "api-key")
+AUTH_PATHS = ("grpc", "http-link", "http-admin", "transfer", "api-key")
 
 
 MIGRATION_REASONS = ("lost", "hung", "aborted", "idle")
@@ -97,7 +97,7 @@ class WorkerMetrics:
         self.auth_failures = Counter(
             "disagg_auth_failures",
             "Calls and connections refused for a missing or wrong credential, by path: the cluster "
-            "key's (grpc, http-link, transfer) and the client API key's (api-key).",
+            "key's (grpc, http-link, http-admin, transfer) and the client API key's (api-key).",
             ["path"],
             registry=r,
         )

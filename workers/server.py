@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import uvicorn
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 
 from disagg.workers import tracing
 from disagg.workers.config import Role, ServerConfig
@@ -36,8 +36,10 @@ from disagg.workers.heap import freeze_startup_heap
 from disagg.workers.local import LOOPBACK
 from disagg.workers.http.app import AppState, build_admin_app, build_app
 from disagg.workers.http.backend import Backend, Health
-from disagg.workers.http.edge import Admission, max_in_flight
+from disagg.workers.http.edge import Admission, RequestCheck, max_in_flight
+from disagg.workers.http.errors import APIError
 from disagg.workers.metrics import WorkerMetrics
+from disagg.workers.security.control import HTTP_HEADER, REFUSAL, ControlGuard, http_method
 
 if TYPE_CHECKING:
     from disagg.workers.pd.service import Handlers
@@ -244,21 +246,33 @@ def run(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     return code
 
 
-def _add_link_routes(admin_app: FastAPI, client_app: FastAPI, state: AppState, config: ServerConfig,
+def _add_link_routes(admin_app: FastAPI, client_app: FastAPI, guard: ControlGuard,
                      worker: Callable[[], Worker | None]) -> None:
     """xLLM's HTTP link calls on the admin port and on the HTTP port (DESIGN.md: the HTTP port
     accepts them), behind one memory of used credentials; the HTTP port, open to clients, refuses
     an anonymous call even with `allow_anonymous_peers`."""
     from disagg.workers.pd.service import add_link_routes
-    from disagg.workers.security.control import ControlGuard
 
     def handlers() -> Handlers | None:
         current = worker()
         return None if current is None else current.handlers
 
-    guard = ControlGuard(config.cluster_key, config.allow_anonymous_peers, state.metrics.count_auth_failure)
     add_link_routes(admin_app, handlers, guard)
     add_link_routes(client_app, handlers, guard.refusing_anonymous())
+
+
+def _signed_change(guard: ControlGuard) -> RequestCheck:
+    """A drain started or ended on the admin port carries a cluster credential for its verb and
+    path, as the operator signs it; anonymous calls are refused whatever `allow_anonymous_peers`
+    says (no xLLM peer drains)."""
+    strict = guard.refusing_anonymous()
+
+    async def check(request: Request) -> None:
+        if not strict.allows(http_method(request.url.path, request.method), request.headers.get(HTTP_HEADER),
+                             "http-admin"):
+            raise APIError(REFUSAL, 401, "unauthenticated")
+
+    return check
 
 
 def _uvicorn(app: FastAPI, host: str, port: int, graceful_shutdown_s: float) -> _UvicornServer:
@@ -279,11 +293,13 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig, spec: 
         log.warning("INSECURE: no cluster key (--insecure): anyone who reaches the gRPC, HTTP and transfer ports "
                     "can link, send requests and read or write KV blocks")
     started: list[Worker] = []  # the worker, once started: the link routes serve it from then on
-    admin_app = build_admin_app(state)
+    guard = ControlGuard(server_config.cluster_key, server_config.allow_anonymous_peers,
+                         state.metrics.count_auth_failure)
+    admin_app = build_admin_app(state, _signed_change(guard))
     client_app = build_app(state, client_api=spec.serves_completions, api_key=server_config.api_key,
                            cors=server_config.cors)
     if spec.link_routes:
-        _add_link_routes(admin_app, client_app, state, server_config, lambda: started[0] if started else None)
+        _add_link_routes(admin_app, client_app, guard, lambda: started[0] if started else None)
     try:
         admin_sockets, http_sockets = _startable(engine_config, server_config, spec)
     except (OSError, ValueError) as exc:  # ValueError: the loader's errors (ModelLoadError, ModelConfigError)

@@ -13,6 +13,8 @@ import httpx
 import pytest
 
 from disagg.operator.drain import drain, in_flight
+from disagg.workers.security.control import HTTP_HEADER
+from disagg.workers.security.key import AuthError, ClusterKey, CredentialVerifier
 from disagg.operator.links import Endpoint
 
 
@@ -23,6 +25,7 @@ class StandInWorker(ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), _Handler)
         self.busy, self.finishing = busy, finishing
         self.drain_calls: list[float] = []
+        self.credentials: list[str | None] = []  # each POST /drain's X-Disagg-Auth
         self.lock = threading.Lock()
 
 
@@ -43,6 +46,7 @@ class _Handler(BaseHTTPRequestHandler):
         assert self.path == "/drain", self.path
         with self.server.lock:
             self.server.drain_calls.append(time.monotonic())
+            self.server.credentials.append(self.headers.get(HTTP_HEADER))
         self._answer('{"draining": true}')
 
     def do_GET(self) -> None:  # noqa: N802
@@ -82,6 +86,20 @@ async def test_drain_stops_new_work_after_the_grace_and_waits_until_idle(worker:
         assert await in_flight(http, pod.ip, port) == 0
     assert outcome.idle and outcome.stopped
     assert len(worker.drain_calls) == 1 and worker.drain_calls[0] - began >= 0.3
+
+
+@pytest.mark.parametrize("worker", [(0, True)], indirect=True)
+async def test_drain_is_signed_with_the_cluster_key_for_its_verb_and_path(worker: StandInWorker) -> None:
+    pod, port = _endpoint(worker)
+    key = ClusterKey.generate()
+    async with httpx.AsyncClient(timeout=2.0) as http:
+        await drain(pod, http, deadline=time.time() + 5, grace_s=0.0, poll_s=0.01, port=port, key=key)
+        await drain(pod, http, deadline=time.time() + 5, grace_s=0.0, poll_s=0.01, port=port)  # --insecure workers
+    signed, unsigned = worker.credentials
+    assert unsigned is None and signed is not None
+    CredentialVerifier(key).verify("POST /drain", signed)  # what the worker's admin port checks
+    with pytest.raises(AuthError):
+        CredentialVerifier(key).verify("DELETE /drain", signed)
 
 
 @pytest.mark.parametrize("worker", [(2, False)], indirect=True)

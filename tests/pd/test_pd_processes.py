@@ -268,7 +268,11 @@ def test_the_http_link_form_links_and_unlinks(cluster: Cluster, port: str) -> No
 
 def test_draining_a_decode_sends_new_requests_to_the_other(cluster: Cluster) -> None:
     d1, d2 = cluster.decodes
-    r = httpx.post(f"{d2.admin_url}/drain", timeout=10.0)
+    refused = d2.metric("disagg_auth_failures_total", path="http-admin")
+    unsigned = httpx.post(f"{d2.admin_url}/drain", timeout=10.0)
+    assert unsigned.status_code == 401 and d2.metric("disagg_auth_failures_total", path="http-admin") == refused + 1
+    assert _ready(d2) == 200, "an unsigned drain changes nothing"
+    r = d2.set_draining(True)
     try:
         assert r.status_code == 200 and r.json()["draining"] is True
         assert d2.metric("disagg_draining") == 1
@@ -278,7 +282,8 @@ def test_draining_a_decode_sends_new_requests_to_the_other(cluster: Cluster) -> 
             assert complete(cluster.push, prompt_of(n, salt=3)) == complete(cluster.mixed, prompt_of(n, salt=3))
         assert d2.metric("disagg_kv_transfer_bytes_total", direction="received") == received, "d2 took no request"
     finally:
-        r = httpx.delete(f"{d2.admin_url}/drain", timeout=10.0)
+        assert httpx.delete(f"{d2.admin_url}/drain", timeout=10.0).status_code == 401, "unsigned"
+        r = d2.set_draining(False)
     assert r.json() == {"draining": False, "in_flight": 0}
     assert d2.metric("disagg_draining") == 0 and _ready(d2) == 200
 
@@ -288,7 +293,7 @@ def test_a_draining_prefill_is_not_ready_and_finishes_what_it_has(cluster: Clust
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         running = pool.submit(complete, prefill, prompt_of(9), 200, True)
         processes.wait_until(lambda: prefill.metric("disagg_requests_running") >= 1, "the request runs")
-        status = httpx.post(f"{prefill.admin_url}/drain", timeout=10.0).json()
+        status = prefill.set_draining(True).json()
         try:
             assert status["draining"] is True and status["in_flight"] >= 1
             assert _ready(prefill) == 503
@@ -299,7 +304,7 @@ def test_a_draining_prefill_is_not_ready_and_finishes_what_it_has(cluster: Clust
             processes.wait_until(lambda: httpx.get(f"{prefill.admin_url}/drain").json()["in_flight"] == 0,
                                  "nothing is in flight")
         finally:
-            httpx.delete(f"{prefill.admin_url}/drain", timeout=10.0)
+            prefill.set_draining(False)
     assert _ready(prefill) == 200
 
 
@@ -403,7 +408,7 @@ def test_a_response_stream_that_fails_ends_with_response_failed(cluster: Cluster
 def _drain(decodes: list[WorkerProcess], on: bool) -> None:
     """Start (or end) draining these decodes: they take no new requests while draining."""
     for d in decodes:
-        httpx.request("POST" if on else "DELETE", f"{d.admin_url}/drain", timeout=10.0)
+        d.set_draining(on).raise_for_status()
 
 
 def _moves_on(stream: Stream, cluster: Cluster) -> None:

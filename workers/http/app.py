@@ -194,23 +194,24 @@ def build_app(state: AppState, client_api: bool = True, api_key: str | None = No
     return app
 
 
-def build_admin_app(state: AppState, check: RequestCheck | None = None) -> FastAPI:
+def build_admin_app(state: AppState, check_change: RequestCheck | None = None) -> FastAPI:
     """The admin app: drain, metrics (what a drain waits on), and the routes a role adds.
 
-    `check` runs before every route (the hook for a credential check); None: the
-    port is trusted, as reachable only by the cluster (the chart's NetworkPolicy).
+    `check_change` runs before each route that changes state (starting or ending a drain): the
+    cluster key's check (server.py); None: whoever reaches the port may. The drain's status and
+    the metrics stay open to read, as the operator and Prometheus read them.
     """
-    app = FastAPI(title="disagg worker admin", docs_url=None, redoc_url=None, openapi_url=None,
-                  dependencies=[Depends(check)] if check else [])
+    app = FastAPI(title="disagg worker admin", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
     _add_metrics_route(app, state)
+    change = [Depends(check_change)] if check_change else []
 
-    @app.post("/drain")
+    @app.post("/drain", dependencies=change)
     async def start_drain() -> dict[str, bool | int]:
         state.set_draining(True)
         return state.drain_status()
 
-    @app.delete("/drain")
+    @app.delete("/drain", dependencies=change)
     async def stop_drain() -> dict[str, bool | int]:
         state.set_draining(False)
         return state.drain_status()

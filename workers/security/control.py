@@ -138,11 +138,12 @@ def is_backing_off(channel: grpc.aio.Channel) -> bool:
     return channel.get_state() is grpc.ChannelConnectivity.TRANSIENT_FAILURE
 
 
-def http_method(path: str) -> str:
-    """What an HTTP control credential is bound to: never valid as a gRPC one for the same call."""
-    return f"POST {path}"
+def http_method(path: str, verb: str = "POST") -> str:
+    """What an HTTP control credential is bound to: never valid as a gRPC one for the same call,
+    nor for another verb on the same path."""
+    return f"{verb} {path}"
 
 
-def http_credential_headers(key: ClusterKey | None, path: str) -> dict[str, str]:
-    """Headers for an HTTP control call to `path` (xLLM's link routes)."""
-    return {} if key is None else {HTTP_HEADER: key.credential(http_method(path))}
+def http_credential_headers(key: ClusterKey | None, path: str, verb: str = "POST") -> dict[str, str]:
+    """Headers for an HTTP control call `verb path` (xLLM's link routes, the admin port's drain)."""
+    return {} if key is None else {HTTP_HEADER: key.credential(http_method(path, verb))}
