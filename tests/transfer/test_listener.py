@@ -29,8 +29,8 @@ IO_TIMEOUT_S = 1.0
 @contextlib.contextmanager
 def listening(**options: object) -> Iterator[tuple[KVTransport, tuple[str, int]]]:
     pool = torch.zeros(LAYOUT.shape, dtype=LAYOUT.torch_dtype)
-    transport = create_transport("tcp", pool, LAYOUT, "prefill-l", "127.0.0.1:1", io_timeout=IO_TIMEOUT_S,
-                                 **options)
+    transport = create_transport("tcp", pool, LAYOUT, "prefill-l", "127.0.0.1:1", **{"io_timeout": IO_TIMEOUT_S,
+                                                                                       **options})
     try:
         host, port = transport.start("127.0.0.1", 0).rsplit(":", 1)
         yield transport, (host, int(port))
@@ -71,16 +71,37 @@ def test_a_trickling_handshake_is_cut_at_one_deadline() -> None:
         assert time.monotonic() - started < IO_TIMEOUT_S + 1.0
 
 
-def test_connections_beyond_the_pending_cap_are_closed_at_accept() -> None:
-    with listening(max_pending=2) as (_, address):
+def test_idle_connections_filling_the_listener_cannot_keep_a_link_out() -> None:
+    """A stranger holding every pending slot with connections that send nothing (reconnecting as
+    each is dropped) kept every link out; a newcomer now drops the oldest unproven handshake."""
+    key = ClusterKey(b"0123456789abcdef0123456789abcdef")
+    with listening(key=key, max_pending=2, io_timeout=30.0) as (transport, address):
         held = [socket.create_connection(address, timeout=5) for _ in range(2)]
+        pool = torch.zeros(LAYOUT.shape, dtype=LAYOUT.torch_dtype)
+        decode = create_transport("tcp", pool, LAYOUT, "decode-l", "127.0.0.1:2", num_connections=1, key=key)
         try:
             time.sleep(0.2)  # let the listener take both
-            with socket.create_connection(address, timeout=5) as third:
-                assert closed_by_peer_within(third, IO_TIMEOUT_S / 2), "a third connection got a thread"
+            assert decode.connect(f"{address[0]}:{address[1]}", timeout=5).is_open
+            assert transport.session("decode-l", timeout=5).is_open
+            assert closed_by_peer_within(held[0], 1.0), "the oldest idle connection was dropped"
         finally:
+            decode.close()
             for sock in held:
                 sock.close()
+
+
+def test_connections_beyond_the_cap_of_proven_ones_are_closed_at_accept() -> None:
+    """Slots held by connections that passed the handshake (parked for their session's other
+    connections) are not dropped for a newcomer: the cap still bounds what the port holds."""
+    with listening(max_pending=1, io_timeout=30.0) as (_, address), \
+            socket.create_connection(address, timeout=5) as parked:
+        me = PeerInfo("decode-l", "127.0.0.1:2", LAYOUT)
+        hello = Hello(me, "tcp", uuid.uuid4().hex, 0, 2, [int(k) for k in supported_checksums()])
+        reply, _ = initiate(parked, hello, None, time.monotonic() + 5)
+        assert reply.ok, reply.reason
+        with socket.create_connection(address, timeout=5) as second:
+            assert closed_by_peer_within(second, 2 * 1.0), "a second connection got a slot"
+        assert not closed_by_peer_within(parked, 0.2), "the parked one was dropped"
 
 
 def test_a_parked_connection_of_an_incomplete_session_expires() -> None:

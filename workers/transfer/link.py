@@ -6,14 +6,19 @@ A transport subclass only says what its handshake carries (`_hello_extras`,
 
 The listener's resources are bounded against whoever can reach the port: at
 most `max_pending` connections are handshaking or parked (waiting for the
-other connections of their session) at once, the rest are closed at accept;
-a handshake has one deadline for all its reads; a parked connection is
-closed when its session is not complete within `io_timeout`; and a failing
-accept() (EMFILE) pauses the loop instead of ending it.
+other connections of their session) at once; a handshake has one deadline
+for all its reads; a parked connection is closed when its session is not
+complete within `io_timeout`; and a failing accept() (EMFILE) pauses the loop
+instead of ending it. When every slot is taken, a new connection drops the
+oldest handshake that has not proven the key yet and takes its slot, so a
+stranger holding idle connections cannot keep a peer's link out (a key
+holder's handshake takes milliseconds); with every slot held by proven
+connections, the new one is closed at accept.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 import socket
@@ -56,6 +61,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_PENDING = 64
 _ACCEPT_RETRY_S = 0.1  # pause after a failed accept(), e.g. out of file descriptors
+_EVICTED_SLOT_WAIT_S = 1.0  # for a dropped handshake's thread to give its slot back
 AUTH_REFUSAL = "authentication failed"  # all an initiator without the key learns
 
 
@@ -65,6 +71,14 @@ def parse_address(address: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"transfer address must be 'host:port', got {address!r}")
     return host.strip("[]"), int(port)
+
+
+def _peer_of(sock: socket.socket) -> str:
+    try:
+        host, port = sock.getpeername()[:2]
+    except OSError:
+        return "a peer that already left"
+    return f"{host}:{port}"
 
 
 class LinkedTransport(KVTransport):
@@ -120,6 +134,8 @@ class LinkedTransport(KVTransport):
             self.access = access
         self._on_auth_failure = on_auth_failure
         self._pending_slots = threading.BoundedSemaphore(max_pending)
+        # Handshakes not yet past the key's proof, oldest first: what a full listener drops.
+        self._unproven: dict[object, tuple[float, socket.socket]] = {}
         self._listener: socket.socket | None = None
         self._sessions: dict[str, TransferSession] = {}
         # session id -> (first seen, {connection index: (its hello, its socket)})
@@ -266,11 +282,34 @@ class LinkedTransport(KVTransport):
                 logger.warning("transfer accept failed (%s); retrying", exc)
                 time.sleep(_ACCEPT_RETRY_S)
                 continue
-            if not self._pending_slots.acquire(blocking=False):
+            if not self._pending_slots.acquire(blocking=False) and not self._evict_for(sock):
                 logger.warning("transfer listener full: closing a connection at accept")
                 sock.close()
                 continue
             threading.Thread(target=self._serve_handshake, args=(sock,), daemon=True).start()
+
+    def _evict_for(self, newcomer: socket.socket) -> bool:
+        """Drop the oldest handshake that has not proven the key, and take its slot for `newcomer`;
+        False when every slot is held by proven connections (or the slot did not come back)."""
+        with self._cond:
+            if not self._unproven:
+                return False
+            oldest = min(self._unproven, key=lambda token: self._unproven[token][0])
+            started, victim = self._unproven.pop(oldest)
+        logger.warning("transfer listener full: dropped an unproven handshake of %.1f s for %s",
+                       time.monotonic() - started, _peer_of(newcomer))
+        with contextlib.suppress(OSError):  # its thread fails its next read and gives the slot back
+            victim.shutdown(socket.SHUT_RDWR)
+        return self._pending_slots.acquire(timeout=_EVICTED_SLOT_WAIT_S)
+
+    def _track_unproven(self, token: object, sock: socket.socket | None) -> None:
+        """`sock` (None: no longer) is the handshake `token`'s socket a full listener may drop."""
+        with self._cond:
+            if sock is None:
+                self._unproven.pop(token, None)
+            else:
+                started = self._unproven.get(token, (time.monotonic(), sock))[0]
+                self._unproven[token] = (started, sock)
 
     def _refusal(self, hello: Hello) -> str | None:
         if not self._accepts_links:
@@ -301,11 +340,15 @@ class LinkedTransport(KVTransport):
     def _serve_handshake(self, sock: socket.socket) -> None:
         """Handshake one accepted connection, within one deadline; holds a pending slot until parked or closed."""
         deadline = time.monotonic() + self.io_timeout
+        token = object()
         try:
+            self._track_unproven(token, sock)
             if self._tls is not None:
                 sock = self._secured(sock, deadline)
+                self._track_unproven(token, sock)  # the TLS socket now owns the descriptor
             hello = recv_hello(sock, deadline)
             challenge = self._authenticated(sock, hello, deadline)
+            self._track_unproven(token, None)
             if challenge is None:
                 sock.close()
                 self._pending_slots.release()
@@ -331,6 +374,7 @@ class LinkedTransport(KVTransport):
             send_reply(sock, Reply(True, "", self.identity, int(checksum), extras, proof))
         except Exception as exc:  # noqa: BLE001 - whatever a stranger's bytes raise, the slot comes back
             logger.warning("transfer handshake failed: %s", exc)
+            self._track_unproven(token, None)
             sock.close()
             self._pending_slots.release()
             return
