@@ -36,12 +36,16 @@ async def _status(call: Any) -> str:
 async def control(args: argparse.Namespace, key: ClusterKey | None) -> dict[str, str]:
     me = "127.0.0.1:1"
     request = pb.DisaggRequests(prefill_name=me, reqs=[pb.DisaggRequest(req_id="rogue", prompt_tokens=[5, 6, 7])])
-    async with control_channel(args.decode, key) as decode, control_channel(args.prefill, key) as prefill:
+    # A body near the workers' 16 MiB limit: refused without being taken in (security/control.py).
+    big = pb.DisaggRequests(prefill_name=me, reqs=[pb.DisaggRequest(req_id="rogue", prompt_tokens=[5] * (15 << 20))])
+    async with control_channel(args.decode, key, [("grpc.max_send_message_length", 64 << 20)]) as decode, \
+            control_channel(args.prefill, key) as prefill:
         decode_stub = disagg_pd_pb2_grpc.DisaggPDServiceStub(decode)
         results = {
             "link": await _status(decode_stub.LinkInstance(
                 pb.InstanceClusterInfo(instance_name=me, addrs=[args.prefill_transfer]), timeout=10)),
             "add_requests": await _status(decode_stub.AddNewRequests(request, timeout=10)),
+            "big_add_requests": await _status(decode_stub.AddNewRequests(big, timeout=30)),
             "unlink": await _status(disagg_pd_pb2_grpc.DisaggPDServiceStub(prefill).UnlinkInstance(
                 pb.InstanceClusterInfo(instance_name=args.decode_name), timeout=10)),
         }

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from disagg.workers.security import key as key_module
-from disagg.workers.security.control import ControlGuard
+from disagg.workers.security.control import AuthInterceptor, ControlGuard
 from disagg.workers.security.key import AuthError, ClusterKey, CredentialVerifier, new_key_text
 
 METHOD = "/xllm.proto.DisaggPDService/LinkInstance"
@@ -108,3 +108,37 @@ def test_proofs_and_names_a_stranger_sends_are_judged_never_raised() -> None:
     assert not key.matches("\ud800", "handshake", "initiator", *bound)
     with pytest.raises(AuthError):
         key.check_proof("\ud800" * 64, "initiator", *bound)
+
+
+async def test_a_refused_call_is_answered_without_taking_its_body_in() -> None:
+    """A unary handler receives the whole message (up to the 16 MiB limit) before it runs: unsigned
+    calls of that size grew a worker by gigabytes. The refusal is a client-streaming handler
+    (the same on the wire to a unary caller) that aborts without reading a message."""
+    import grpc
+
+    class Details:
+        method = "/xllm.proto.DisaggPDService/AddNewRequests"
+        invocation_metadata = ()
+
+    class Aborted(Exception):
+        pass
+
+    class Context:
+        async def abort(self, code: grpc.StatusCode, details: str) -> None:
+            raise Aborted(code, details)
+
+    async def never_called(details: object) -> grpc.RpcMethodHandler:
+        raise AssertionError("a refused call reached the service")
+
+    async def unread_body() -> object:
+        raise AssertionError("the refused call's body was read")
+        yield  # an async generator: iterating it reads the body
+
+    refused: list[str] = []
+    guard = ControlGuard(ClusterKey.generate(), on_failure=refused.append)
+    handler = await AuthInterceptor(guard).intercept_service(never_called, Details())  # type: ignore[arg-type]
+    assert handler.request_streaming and not handler.response_streaming and handler.stream_unary is not None
+    with pytest.raises(Aborted) as aborted:
+        await handler.stream_unary(unread_body(), Context())
+    assert aborted.value.args[0] is grpc.StatusCode.UNAUTHENTICATED and refused == ["grpc"]
+

@@ -66,13 +66,13 @@ def test_a_rogue_process_without_the_key_gets_nothing(keyed_pair: tuple[WorkerPr
     ClusterKey.generate().write(wrong)
     for extra in ((), ("--key-file", str(wrong), "--stale-key-file", str(decode.key_file))):
         results = _rogue(decode, prefill, *extra)
-        for attempt in ("link", "add_requests", "unlink", "stale_add_requests"):
+        for attempt in ("link", "add_requests", "big_add_requests", "unlink", "stale_add_requests"):
             assert results.get(attempt, "UNAUTHENTICATED") == "UNAUTHENTICATED", (attempt, results)
         for attempt in ("pull_kv", "push_kv"):
             assert results[attempt].endswith("refused the link: authentication failed"), (attempt, results)
     grpc_failures = sum(w.metric("disagg_auth_failures_total", path="grpc") for w in keyed_pair)
     transfer_failures = sum(w.metric("disagg_auth_failures_total", path="transfer") for w in keyed_pair)
-    assert (grpc_failures, transfer_failures) == (3 + 4, 2 + 2)
+    assert (grpc_failures, transfer_failures) == (4 + 5, 2 + 2)
     assert [w.metric("disagg_kv_blocks_free") for w in keyed_pair] == free
     assert prefill.metric("disagg_links") == 1, "the real link survived"
     assert _complete(prefill) == reference

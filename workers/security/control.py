@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -72,7 +72,10 @@ class ControlGuard:
         return True
 
 
-async def _refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
+async def _refuse(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> None:
+    """Never reads `requests`: the body of a refused call is not taken in (a unary handler would
+    receive the whole message, up to the size limit, before it could refuse: unsigned 15 MiB
+    calls grew a worker by gigabytes)."""
     await context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSAL)
 
 
@@ -91,8 +94,9 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         method: str = details.method  # type: ignore[attr-defined]
         if self._guard.allows(method, credential if isinstance(credential, str) else None, "grpc"):
             return await continuation(details)
-        # Every service method is unary-unary; the request is never parsed.
-        return grpc.unary_unary_rpc_method_handler(_refuse)
+        # Refused as a client-streaming call, the same on the wire to a unary caller: the request
+        # is neither received whole nor parsed.
+        return grpc.stream_unary_rpc_method_handler(_refuse)
 
 
 class CredentialInterceptor(grpc.aio.UnaryUnaryClientInterceptor):
