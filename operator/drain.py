@@ -51,7 +51,8 @@ async def in_flight(http: httpx.AsyncClient, ip: str, port: int = HTTP_PORT) -> 
     return total
 
 
-async def stop_new_work(http: httpx.AsyncClient, ip: str, port: int = ADMIN_PORT, key: ClusterKey | None = None) -> bool:
+async def stop_new_work(http: httpx.AsyncClient, ip: str, port: int = ADMIN_PORT,
+                        key: ClusterKey | None = None) -> bool:
     """`POST /drain` on the worker (idempotent), signed with `key` (None: the workers run
     --insecure); False when it did not take it."""
     try:

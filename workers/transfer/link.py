@@ -294,8 +294,7 @@ class LinkedTransport(KVTransport):
         with self._cond:
             if not self._unproven:
                 return False
-            oldest = min(self._unproven, key=lambda token: self._unproven[token][0])
-            started, victim = self._unproven.pop(oldest)
+            started, victim = self._unproven.pop(next(iter(self._unproven)))  # kept in arrival order
         logger.warning("transfer listener full: dropped an unproven handshake of %.1f s for %s",
                        time.monotonic() - started, _peer_of(newcomer))
         with contextlib.suppress(OSError):  # its thread fails its next read and gives the slot back
