@@ -7,8 +7,10 @@ carries a credential
     v1.<unix ms>.<nonce: 32 hex>.<HMAC-SHA256(key, "call" | method | ms | nonce): 64 hex>
 
 checked for its method, a clock skew of at most `max_skew_s` and a nonce not
-seen within that window (so a captured credential cannot be replayed), and the
-transfer handshake proves the key with `ClusterKey.proof` over both ends'
+seen within that window by the worker checking it (so a captured credential
+cannot be replayed on that worker; it is bound to neither the worker nor the
+call's body, which TLS keeps from anyone on the path: docs/security.md), and
+the transfer handshake proves the key with `ClusterKey.proof` over both ends'
 nonces and names.
 """
 
