@@ -13,6 +13,7 @@ from setuptools import setup
 RUNTIME_PACKAGES = [
     "disagg.workers",
     "disagg.workers.engine",
+    "disagg.workers.engine.csrc",  # the CPU kernels' C sources (data only), built on first use
     "disagg.workers.engine.models",
     "disagg.workers.pd",
     "disagg.workers.transfer",
