@@ -39,7 +39,7 @@ from disagg.workers.http.backend import Backend, Health
 from disagg.workers.http.edge import Admission, RequestCheck, max_in_flight
 from disagg.workers.http.errors import APIError
 from disagg.workers.metrics import WorkerMetrics
-from disagg.workers.security.control import HTTP_HEADER, REFUSAL, ControlGuard, http_method
+from disagg.workers.security.control import REFUSAL, ControlGuard
 
 if TYPE_CHECKING:
     from disagg.workers.pd.service import Handlers
@@ -268,8 +268,7 @@ def _signed_change(guard: ControlGuard) -> RequestCheck:
     strict = guard.refusing_anonymous()
 
     async def check(request: Request) -> None:
-        if not strict.allows(http_method(request.url.path, request.method), request.headers.get(HTTP_HEADER),
-                             "http-admin"):
+        if not strict.allows_http(request.method, request.url.path, request.headers, "http-admin"):
             raise APIError(REFUSAL, 401, "unauthenticated")
 
     return check

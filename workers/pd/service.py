@@ -33,7 +33,7 @@ from disagg.workers.engine.outputs import RequestOutput
 from disagg.workers.http.edge import read_body
 from disagg.workers.pd import convert, errors
 from disagg.workers.pd.messages import Admission, FirstToken, NewRequest, Reservation
-from disagg.workers.security.control import HTTP_HEADER, REFUSAL, AuthInterceptor, ControlGuard, http_method
+from disagg.workers.security.control import REFUSAL, AuthInterceptor, ControlGuard
 
 log = logging.getLogger(__name__)
 
@@ -328,7 +328,7 @@ def add_link_routes(app: FastAPI, role: Callable[[], Handlers | None], guard: Co
     """
 
     async def handle(request: Request, link: bool) -> JSONResponse:
-        if not guard.allows(http_method(request.url.path), request.headers.get(HTTP_HEADER), "http-link"):
+        if not guard.allows_http(request.method, request.url.path, request.headers, "http-link"):
             return _http_error(grpc.StatusCode.UNAUTHENTICATED, REFUSAL)
         current = role()
         if current is None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -55,6 +55,10 @@ class ControlGuard:
     @property
     def insecure(self) -> bool:
         return self._verifier is None
+
+    def allows_http(self, verb: str, url_path: str, headers: Mapping[str, str], path: str) -> bool:
+        """Whether an HTTP control call `verb url_path` with these headers may proceed (`allows`)."""
+        return self.allows(http_method(url_path, verb), headers.get(HTTP_HEADER), path)
 
     def allows(self, method: str, credential: str | None, path: str) -> bool:
         """Whether a call of `method` with `credential` may proceed; a refusal is logged and counted."""
